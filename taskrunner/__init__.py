@@ -1,0 +1,67 @@
+"""taskrunner: background tasks as readable MongoDB documents."""
+
+from __future__ import annotations
+
+from taskrunner.context import TaskContext
+from taskrunner.errors import (
+    ChangeHistoryLost,
+    ClaimLost,
+    ConfigurationError,
+    Fail,
+    InvalidParams,
+    InvalidTask,
+    MalformedTask,
+    StoreError,
+    StoreUnavailable,
+    TaskNotFound,
+    TaskRunnerError,
+    UnknownHandler,
+    WriteRejected,
+)
+from taskrunner.models import (
+    EntryState,
+    NewTask,
+    Task,
+    TaskError,
+    TaskOptions,
+    TaskState,
+    WorkerEntry,
+)
+from taskrunner.runner import TaskRunner
+from taskrunner.store.base import ChangeEvent, Claim, Store
+from taskrunner.store.memory import MemoryStore
+from taskrunner.store.mongo import MongoStore
+from taskrunner.sync import SyncTaskRunner
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChangeEvent",
+    "ChangeHistoryLost",
+    "Claim",
+    "ClaimLost",
+    "ConfigurationError",
+    "EntryState",
+    "Fail",
+    "InvalidParams",
+    "InvalidTask",
+    "MalformedTask",
+    "MemoryStore",
+    "MongoStore",
+    "NewTask",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "SyncTaskRunner",
+    "Task",
+    "TaskContext",
+    "TaskError",
+    "TaskNotFound",
+    "TaskOptions",
+    "TaskRunner",
+    "TaskRunnerError",
+    "TaskState",
+    "UnknownHandler",
+    "WorkerEntry",
+    "WriteRejected",
+]

@@ -1,0 +1,3 @@
+from taskrunner.cli import main
+
+main()

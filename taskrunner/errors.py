@@ -1,0 +1,92 @@
+"""taskrunner's exceptions. Driver errors never cross the store boundary.
+
+::
+
+    TaskRunnerError
+    ├── InvalidTask (ValueError)        bad input on publish; names the field
+    │   └── InvalidParams               params fail the handler's model
+    ├── TaskNotFound (LookupError)      no task with that key
+    ├── UnknownHandler (LookupError)    no handler registered under that name
+    ├── MalformedTask                   a stored document taskrunner cannot read
+    ├── ClaimLost                       a write's run_id no longer owns its entry
+    ├── ConfigurationError              bad URI, settings or app reference
+    └── StoreError                      the database failed the operation
+        ├── StoreUnavailable            unreachable or timed out; retryable
+        ├── WriteRejected               refused, e.g. by a $jsonSchema validator
+        └── ChangeHistoryLost           a change stream cannot resume; rescan
+
+    Fail (Exception)                    raised by a handler: fail now, no local retry
+"""
+
+from __future__ import annotations
+
+
+class TaskRunnerError(Exception):
+    """Base class of every error taskrunner raises."""
+
+
+class InvalidTask(TaskRunnerError, ValueError):
+    """A task cannot be published as given; ``field`` names the offending part."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class InvalidParams(InvalidTask):
+    """The params do not validate against the handler's model."""
+
+
+class TaskNotFound(TaskRunnerError, LookupError):
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"no task with key {key!r}")
+
+
+class UnknownHandler(TaskRunnerError, LookupError):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"no handler registered for task name {name!r}")
+
+
+class MalformedTask(TaskRunnerError):
+    """A stored document does not follow the task schema."""
+
+    def __init__(self, key: object, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"malformed task document {key!r}: {problem}")
+
+
+class ClaimLost(TaskRunnerError):
+    """The run's entry is gone or finished: another owner, a release or a takeover."""
+
+    def __init__(self, key: str, run_id: str) -> None:
+        self.key = key
+        self.run_id = run_id
+        super().__init__(f"claim lost on task {key!r} (run {run_id})")
+
+
+class ConfigurationError(TaskRunnerError):
+    """taskrunner was set up wrongly (URI, app reference, option)."""
+
+
+class StoreError(TaskRunnerError):
+    """The database could not carry out an operation."""
+
+
+class StoreUnavailable(StoreError):
+    """The database could not be reached in time; the operation may be retried."""
+
+
+class WriteRejected(StoreError):
+    """The database refused a write (validator, document too large, ...)."""
+
+
+class ChangeHistoryLost(StoreError):
+    """The change stream cannot resume from its token: rescan the collection."""
+
+
+class Fail(Exception):
+    """Raise inside a handler to record a failure without local retries."""

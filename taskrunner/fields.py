@@ -1,0 +1,93 @@
+"""Every MongoDB field, state and index name taskrunner uses, in one place.
+
+A task document (collection ``taskrunner.tasks`` by default)::
+
+    {
+      _id, key, name, params, priority,
+      created_at, updated_at, run_at,          # BSON dates, server time
+      options: {concurrency, max_failures, local_retries, retry_backoff,
+                ping_interval, ping_timeout, worker_ids},
+      workers: [{worker_id, run_id, state, claimed_at, ping_at, expires_at,
+                 attempt, progress, result, error: {type, message, traceback},
+                 finished_at}],
+      state,           # summary: PENDING | RUNNING | SUCCESS | FAIL | CANCELED
+      failures,        # task-wide failure count (the max_failures budget)
+      attempts,        # claims made so far
+      claimable_at,    # earliest time a new worker may claim; absent when finished
+      publish_id,      # id of the publish call that wrote this version
+    }
+
+Durations inside ``options`` are seconds (numbers); see docs/schema.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+DEFAULT_DATABASE: Final = "taskrunner"
+DEFAULT_COLLECTION: Final = "tasks"
+
+# -- task document -----------------------------------------------------------
+ID: Final = "_id"
+KEY: Final = "key"
+NAME: Final = "name"
+PARAMS: Final = "params"
+PRIORITY: Final = "priority"
+CREATED_AT: Final = "created_at"
+UPDATED_AT: Final = "updated_at"
+RUN_AT: Final = "run_at"
+OPTIONS: Final = "options"
+WORKERS: Final = "workers"
+STATE: Final = "state"
+FAILURES: Final = "failures"
+ATTEMPTS: Final = "attempts"
+CLAIMABLE_AT: Final = "claimable_at"
+PUBLISH_ID: Final = "publish_id"
+
+# -- options sub-document -----------------------------------------------------
+CONCURRENCY: Final = "concurrency"
+MAX_FAILURES: Final = "max_failures"
+LOCAL_RETRIES: Final = "local_retries"
+RETRY_BACKOFF: Final = "retry_backoff"
+PING_INTERVAL: Final = "ping_interval"
+PING_TIMEOUT: Final = "ping_timeout"
+WORKER_IDS: Final = "worker_ids"
+
+# -- worker entry ---------------------------------------------------------------
+WORKER_ID: Final = "worker_id"
+RUN_ID: Final = "run_id"
+CLAIMED_AT: Final = "claimed_at"
+PING_AT: Final = "ping_at"
+EXPIRES_AT: Final = "expires_at"
+ATTEMPT: Final = "attempt"
+PROGRESS: Final = "progress"
+RESULT: Final = "result"
+ERROR: Final = "error"
+FINISHED_AT: Final = "finished_at"
+
+# -- error record -----------------------------------------------------------------
+ERROR_TYPE: Final = "type"
+ERROR_MESSAGE: Final = "message"
+ERROR_TRACEBACK: Final = "traceback"
+
+
+def opt(name: str) -> str:
+    """Dotted path of an option, e.g. ``options.concurrency``."""
+    return f"{OPTIONS}.{name}"
+
+
+def ref(path: str) -> str:
+    """Aggregation field reference, e.g. ``$options.concurrency``."""
+    return f"${path}"
+
+
+# -- indexes: name -> (keys, options) ---------------------------------------------
+# key_unique: idempotent publish and every keyed write.
+# claim: the claim filter (state in PENDING/RUNNING, claimable_at <= now) and its
+#   sort (priority desc, created_at asc).
+# name_state: operators' listing by name and state.
+INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
+    "key_unique": ([(KEY, 1)], {"unique": True}),
+    "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
+    "name_state": ([(NAME, 1), (STATE, 1)], {}),
+}

@@ -1,0 +1,252 @@
+"""The task document as Python objects: options, worker entries, tasks.
+
+Models validate what services publish (``NewTask``) and what workers read
+(``Task.from_document``), so bad input fails with the offending field named.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Self
+
+import bson
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from taskrunner import fields as f
+from taskrunner.errors import InvalidTask, MalformedTask
+
+
+class TaskState(enum.StrEnum):
+    """Summary state of a task, derived from its worker entries."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAIL = "FAIL"
+    CANCELED = "CANCELED"
+
+    @property
+    def finished(self) -> bool:
+        return self in (TaskState.SUCCESS, TaskState.FAIL, TaskState.CANCELED)
+
+
+class EntryState(enum.StrEnum):
+    """State of one worker's claim on a task."""
+
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAIL = "FAIL"
+
+
+def to_seconds(value: object) -> object:
+    """Durations are given as seconds (int/float) or ``timedelta``; stored as seconds."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool):
+        raise ValueError("a duration must be seconds (int/float) or a timedelta, not a bool")
+    return value
+
+
+def to_utc(value: object) -> object:
+    """BSON dates are UTC; naive datetimes are taken as UTC and truncated to ms."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
+        return value.replace(microsecond=value.microsecond // 1000 * 1000)
+    return value
+
+
+Seconds = Annotated[float, BeforeValidator(to_seconds)]
+UtcDatetime = Annotated[datetime, BeforeValidator(to_utc)]
+
+DAY = 86_400.0
+MAX_KEY_LENGTH = 512
+MAX_PARAMS_BYTES = 15 * 1024 * 1024  # MongoDB's 16 MiB document limit, less room for the rest
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
+
+
+class TaskOptions(BaseModel):
+    """Per-task execution options (stored under ``options``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrency: int = Field(1, ge=1, le=1000)
+    """How many distinct workers must each succeed; at most that many run at once."""
+    max_failures: int = Field(3, ge=1, le=10_000)
+    """Task-wide budget: after this many failed runs the task is FAIL."""
+    local_retries: int = Field(0, ge=0, le=100)
+    """In-process retries of a crashing handler before a failure is recorded."""
+    retry_backoff: Seconds = Field(10.0, ge=0, le=30 * DAY)
+    """Delay before a local retry, and before the task is claimable after a failure."""
+    ping_interval: Seconds = Field(5.0, gt=0, le=DAY)
+    ping_timeout: Seconds = Field(30.0, gt=0, le=7 * DAY)
+    worker_ids: list[str] = Field(default_factory=list, max_length=1000)
+    """Workers allowed to run the task; empty means any worker."""
+
+    @field_validator("worker_ids")
+    @classmethod
+    def _non_empty_ids(cls, ids: list[str]) -> list[str]:
+        if any(not i for i in ids):
+            raise ValueError("worker ids must be non-empty strings")
+        return list(dict.fromkeys(ids))
+
+    @model_validator(mode="after")
+    def _timeout_exceeds_interval(self) -> Self:
+        if self.ping_timeout <= self.ping_interval:
+            raise ValueError(
+                f"ping_timeout ({self.ping_timeout}s) must be longer than "
+                f"ping_interval ({self.ping_interval}s), or leases expire between pings"
+            )
+        return self
+
+
+class TaskError(BaseModel):
+    """What went wrong in a run: exception type, message and traceback."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: str
+    message: str
+    traceback: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, traceback: str | None = None) -> TaskError:
+        return cls(type=type(exc).__qualname__, message=str(exc), traceback=traceback)
+
+
+class WorkerEntry(BaseModel):
+    """One claim of a task by a worker (an element of ``workers``)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    worker_id: str
+    run_id: str
+    state: EntryState
+    claimed_at: UtcDatetime
+    ping_at: UtcDatetime
+    expires_at: UtcDatetime
+    attempt: int = 1
+    progress: Any = None
+    result: Any = None
+    error: TaskError | None = None
+    finished_at: UtcDatetime | None = None
+
+    def live(self, now: datetime) -> bool:
+        """RUNNING with a lease that has not expired at ``now`` (server time)."""
+        return self.state is EntryState.RUNNING and self.expires_at > now
+
+
+class NewTask(BaseModel):
+    """A task as a service publishes it, validated before anything is written."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH)
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    run_at: UtcDatetime | None = None
+    delay: Seconds | None = Field(None, ge=0, le=366 * DAY)
+    """Start no earlier than this many seconds after publishing, by the server's clock."""
+    options: TaskOptions = Field(default_factory=lambda: TaskOptions())
+
+    @model_validator(mode="after")
+    def _one_start_time(self) -> Self:
+        if self.run_at is not None and self.delay is not None:
+            raise ValueError("give run_at or delay, not both")
+        return self
+
+    @field_validator("params")
+    @classmethod
+    def _bson_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            size = len(bson.encode(params))
+        except (bson.errors.InvalidDocument, OverflowError, TypeError) as exc:
+            raise ValueError(f"cannot be stored as BSON: {exc}") from None
+        if size > MAX_PARAMS_BYTES:
+            raise ValueError(f"{size} bytes as BSON; at most {MAX_PARAMS_BYTES} fit in a task document")
+        return params
+
+    @field_validator("key")
+    @classmethod
+    def _printable_key(cls, key: str) -> str:
+        if not key.isprintable():
+            raise ValueError("must contain printable characters only")
+        return key
+
+    @field_validator("name")
+    @classmethod
+    def _identifier_name(cls, name: str) -> str:
+        if not _NAME_RE.match(name):
+            raise ValueError(
+                "must start with a letter or _ and contain only letters, digits, _ . : -"
+                " (at most 200 characters)"
+            )
+        return name
+
+    @classmethod
+    def build(cls, **values: Any) -> NewTask:
+        """Validate, turning pydantic's error into ``InvalidTask`` naming the field."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise invalid_task(exc) from None
+
+
+def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
+    """The first validation error as an ``InvalidTask`` naming its dotted field path."""
+    err = exc.errors()[0]
+    path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+    return cls(path or "task", err["msg"])
+
+
+class Task(BaseModel):
+    """A stored task, read back from its document."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    key: str
+    name: str
+    params: dict[str, Any]
+    priority: int
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    run_at: UtcDatetime
+    options: TaskOptions
+    workers: list[WorkerEntry]
+    state: TaskState
+    failures: int = 0
+    attempts: int = 0
+    claimable_at: UtcDatetime | None = None
+    created: bool = Field(False, exclude=True)
+    """True when the publish call that returned this task inserted it."""
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+        try:
+            return cls.model_validate({**doc, "created": created})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), f"{where}: {err['msg']}") from None
+
+    def entry(self, run_id: str) -> WorkerEntry | None:
+        return next((w for w in self.workers if w.run_id == run_id), None)
+
+    def live_entries(self, now: datetime) -> list[WorkerEntry]:
+        return [w for w in self.workers if w.live(now)]
+
+    @property
+    def successes(self) -> int:
+        return sum(w.state is EntryState.SUCCESS for w in self.workers)

@@ -1,0 +1,211 @@
+"""The task state machine as plain Python over raw documents.
+
+This is the reference the in-memory store runs and the MongoDB pipelines in
+``store/expressions.py`` mirror; the contract suite holds the two together.
+Comparisons follow MongoDB's query semantics: a claim-time field that is missing,
+null or not a date never matches.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from taskrunner import fields as f
+from taskrunner.models import EntryState, NewTask, TaskState
+
+Doc = dict[str, Any]
+FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
+ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
+
+
+def _num(value: object) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok else None  # type: ignore[arg-type]
+
+
+def _entries(doc: Doc) -> list[Doc]:
+    workers = doc.get(f.WORKERS)
+    return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
+
+
+def is_running(entry: Doc) -> bool:
+    return entry.get(f.STATE) == EntryState.RUNNING.value
+
+
+def is_live(entry: Doc, now: datetime) -> bool:
+    expires = entry.get(f.EXPIRES_AT)
+    return is_running(entry) and isinstance(expires, datetime) and expires > now
+
+
+def is_expired(entry: Doc, now: datetime) -> bool:
+    return is_running(entry) and not is_live(entry, now)
+
+
+def successes(doc: Doc) -> int:
+    return sum(w.get(f.STATE) == EntryState.SUCCESS.value for w in _entries(doc))
+
+
+def option(doc: Doc, name: str) -> Any:
+    opts = doc.get(f.OPTIONS)
+    return opts.get(name) if isinstance(opts, dict) else None
+
+
+def summarize(doc: Doc, now: datetime) -> None:
+    """Recompute ``state`` and ``claimable_at`` (and ``updated_at``) in place."""
+    doc[f.STATE] = _summary_state(doc)
+    doc[f.UPDATED_AT] = now
+    if doc[f.STATE] in FINISHED:
+        doc.pop(f.CLAIMABLE_AT, None)
+        return
+    live = [w for w in _entries(doc) if is_live(w, now)]
+    concurrency = _num(option(doc, f.CONCURRENCY))
+    run_at: Any = doc.get(f.RUN_AT)
+    if concurrency is not None and successes(doc) + len(live) < concurrency:
+        doc[f.CLAIMABLE_AT] = run_at
+    else:
+        # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+        earliest = min((w[f.EXPIRES_AT] for w in live), default=run_at)
+        doc[f.CLAIMABLE_AT] = max(run_at, earliest) if isinstance(run_at, datetime) else earliest
+
+
+def _summary_state(doc: Doc) -> str:
+    concurrency = _num(option(doc, f.CONCURRENCY))
+    max_failures = _num(option(doc, f.MAX_FAILURES))
+    failures = _num(doc.get(f.FAILURES)) or 0.0
+    if doc.get(f.STATE) == TaskState.CANCELED.value:
+        return TaskState.CANCELED.value
+    if concurrency is None or successes(doc) >= concurrency:
+        return TaskState.SUCCESS.value
+    if any(is_running(w) for w in _entries(doc)):
+        return TaskState.RUNNING.value
+    if max_failures is None or failures >= max_failures:
+        return TaskState.FAIL.value
+    return TaskState.PENDING.value
+
+
+def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
+    """May ``worker_id`` claim this task at server time ``now``? (the claim filter)"""
+    claimable_at = doc.get(f.CLAIMABLE_AT)
+    if doc.get(f.STATE) not in ACTIVE or not isinstance(claimable_at, datetime):
+        return False
+    allowed = option(doc, f.WORKER_IDS)
+    if (
+        not isinstance(doc.get(f.WORKERS), list)
+        or not isinstance(allowed, list)
+        or (allowed and worker_id not in allowed)
+    ):
+        return False
+    entries = _entries(doc)
+    mine = [w for w in entries if w.get(f.WORKER_ID) == worker_id]
+    if any(w.get(f.STATE) == EntryState.SUCCESS.value or is_live(w, now) for w in mine):
+        return False
+    return _has_budget(doc, entries, now) and claimable_at <= now
+
+
+def _has_budget(doc: Doc, entries: list[Doc], now: datetime) -> bool:
+    concurrency = _num(option(doc, f.CONCURRENCY))
+    max_failures = _num(option(doc, f.MAX_FAILURES))
+    failures = _num(doc.get(f.FAILURES))
+    if concurrency is None or max_failures is None or failures is None:
+        return False
+    expired = sum(is_expired(w, now) for w in entries)
+    live = sum(is_live(w, now) for w in entries)
+    return failures + expired < max_failures and successes(doc) + live < concurrency
+
+
+def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
+    """Drop expired leases (each spends one failure), append this worker's entry."""
+    entries = _entries(doc)
+    expired = [w for w in entries if is_expired(w, now)]
+    doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
+    doc[f.ATTEMPTS] = (_num(doc.get(f.ATTEMPTS)) or 0) + 1
+    timeout = timedelta(seconds=option(doc, f.PING_TIMEOUT))
+    entry = {
+        f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
+        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: now + timeout,
+        f.ATTEMPT: int(doc[f.ATTEMPTS]), f.PROGRESS: None, f.RESULT: None,
+        f.ERROR: None, f.FINISHED_AT: None,
+    }  # fmt: skip
+    doc[f.ATTEMPTS] = int(doc[f.ATTEMPTS])
+    doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
+    summarize(doc, now)
+
+
+def running_entry(doc: Doc, run_id: str) -> Doc | None:
+    """The RUNNING entry of ``run_id``: the fencing check every state write makes."""
+    return next((w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_running(w)), None)
+
+
+def apply_ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
+    entry[f.PING_AT] = now
+    entry[f.EXPIRES_AT] = now + timedelta(seconds=option(doc, f.PING_TIMEOUT))
+    if progress is not None:
+        entry[f.PROGRESS] = progress
+    summarize(doc, now)
+
+
+def apply_success(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
+    entry.update({f.STATE: EntryState.SUCCESS.value, f.RESULT: result, f.FINISHED_AT: now})
+    summarize(doc, now)
+
+
+def apply_failure(doc: Doc, entry: Doc, error: Doc, now: datetime) -> None:
+    """Record the failure; the task is claimable again after ``retry_backoff``."""
+    entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: error, f.FINISHED_AT: now})
+    doc[f.FAILURES] = doc[f.FAILURES] + 1
+    retry_at = now + timedelta(seconds=option(doc, f.RETRY_BACKOFF))
+    doc[f.RUN_AT] = max(doc[f.RUN_AT], retry_at)
+    summarize(doc, now)
+
+
+def apply_release(doc: Doc, entry: Doc, now: datetime) -> None:
+    """Give the claim back without spending the failure budget."""
+    doc[f.WORKERS] = [w for w in _entries(doc) if w is not entry]
+    summarize(doc, now)
+
+
+def apply_cancel(doc: Doc, now: datetime) -> None:
+    if doc.get(f.STATE) in (TaskState.SUCCESS.value, TaskState.FAIL.value):
+        return
+    doc[f.STATE] = TaskState.CANCELED.value
+    summarize(doc, now)
+
+
+def new_document(task: NewTask, publish_id: str) -> Doc:
+    """The stored form of a new task, without its server-time fields."""
+    return {
+        f.KEY: task.key,
+        f.NAME: task.name,
+        f.PARAMS: task.params,
+        f.PRIORITY: task.priority,
+        f.OPTIONS: task.options.model_dump(),
+        f.WORKERS: [],
+        f.STATE: TaskState.PENDING.value,
+        f.FAILURES: 0,
+        f.ATTEMPTS: 0,
+        f.PUBLISH_ID: publish_id,
+    }
+
+
+def updatable(doc: Doc) -> bool:
+    """``update_pending`` applies only to a task no worker is running or has succeeded."""
+    started = any(is_running(w) or w.get(f.STATE) == EntryState.SUCCESS.value for w in _entries(doc))
+    return doc.get(f.STATE) == TaskState.PENDING.value and not started
+
+
+def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
+    """``update_pending``: new params, priority, run_at and options; not a new task."""
+    run_at = start_time(task, now)
+    doc.update({
+        f.PARAMS: task.params, f.PRIORITY: task.priority, f.OPTIONS: task.options.model_dump(),
+        f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at, f.UPDATED_AT: now,
+    })  # fmt: skip
+    if doc[f.FAILURES] >= task.options.max_failures:
+        doc[f.STATE] = TaskState.FAIL.value
+        doc.pop(f.CLAIMABLE_AT)
+
+
+def start_time(task: NewTask, now: datetime) -> datetime:
+    """``run_at``, or server ``now`` plus ``delay``."""
+    return task.run_at or now + timedelta(seconds=task.delay or 0)

@@ -1,0 +1,189 @@
+"""``TaskRunner``: register handlers and publish tasks (the services' API)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import ValidationError
+
+from taskrunner import fields as f
+from taskrunner.errors import InvalidTask
+from taskrunner.models import NewTask, Task, TaskOptions, invalid_task
+from taskrunner.registry import Registration, Registry, plain_params
+
+if TYPE_CHECKING:
+    from taskrunner.store.base import Store
+    from taskrunner.sync import SyncTaskRunner
+
+H = TypeVar("H", bound=Callable[..., Any])
+Duration = float | int | timedelta
+DEFAULT_URI = "mongodb://localhost:27017"
+OPTION_NAMES = frozenset(TaskOptions.model_fields)
+TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
+
+
+class TaskRunner:
+    """Handlers plus a store. Services publish through it; workers run it.
+
+    ``mongo_uri`` defaults to ``$TASKRUNNER_MONGO_URI`` or ``mongodb://localhost:27017``;
+    pass ``store=MemoryStore()`` to run without MongoDB (tests).
+    """
+
+    def __init__(
+        self,
+        mongo_uri: str | None = None,
+        *,
+        database: str = f.DEFAULT_DATABASE,
+        collection: str = f.DEFAULT_COLLECTION,
+        store: Store | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.mongo_uri = mongo_uri or os.environ.get("TASKRUNNER_MONGO_URI", DEFAULT_URI)
+        self.database, self.collection, self.timeout = database, collection, timeout
+        self.registry = Registry()
+        self._store = store
+
+    @property
+    def store(self) -> Store:
+        """The store, connected on first use (PyMongo connects lazily too)."""
+        if self._store is None:
+            from taskrunner.store.mongo import MongoStore
+
+            self._store = MongoStore.connect(
+                self.mongo_uri, database=self.database, collection=self.collection, timeout=self.timeout
+            )
+        return self._store
+
+    def task(self, name: str | None = None, **options: Any) -> Callable[[H], H]:
+        """Register a handler: ``async def h(params: Model, ctx: TaskContext)``.
+
+        ``options`` are the handler's default task options (see ``TaskOptions``).
+        """
+
+        def register(handler: H) -> H:
+            _check_option_names(options)
+            self.registry.add(name or handler.__name__, handler, options)
+            return handler
+
+        return register
+
+    async def publish(
+        self,
+        name: str,
+        params: Any = None,
+        *,
+        key: str | None = None,
+        priority: int = 0,
+        run_at: datetime | None = None,
+        delay: Duration | None = None,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+        **options: Any,
+    ) -> Task:
+        """Publish one task; an existing key is returned untouched with ``created=False``.
+
+        ``update_pending`` rewrites params, priority, run time and options of a task no
+        worker has started; ``republish_finished`` starts a finished key afresh.
+        """
+        spec = {"name": name, "params": params, "key": key, "priority": priority,
+                "run_at": run_at, "delay": delay, **options}  # fmt: skip
+        [task] = await self.store.publish(
+            [self.new_task(spec)], update_pending=update_pending, republish_finished=republish_finished
+        )
+        return task
+
+    async def publish_many(
+        self,
+        tasks: Iterable[Mapping[str, Any]],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+    ) -> list[Task]:
+        """Publish many tasks in one write; each item takes ``publish``'s keywords."""
+        new = [_at_index(i, self.new_task, spec) for i, spec in enumerate(tasks)]
+        _check_unique_keys(new)
+        return await self.store.publish(
+            new, update_pending=update_pending, republish_finished=republish_finished
+        )
+
+    def new_task(self, spec: Mapping[str, Any]) -> NewTask:
+        """Validate one publish request; nothing is written if this raises."""
+        unknown = set(spec) - TASK_FIELDS - OPTION_NAMES
+        if unknown:
+            field = sorted(unknown)[0]
+            raise InvalidTask(
+                f"options.{field}", f"unknown option {field!r}; known: {', '.join(sorted(OPTION_NAMES))}"
+            )
+        name = spec.get("name")
+        if not isinstance(name, str):
+            raise InvalidTask("name", "must be a string")
+        registration = self.registry.find(name)
+        params = (
+            registration.validate(spec.get("params") or {})
+            if registration
+            else plain_params(spec.get("params"))
+        )
+        return _build(name, params, spec, registration)
+
+    async def get(self, key: str) -> Task:
+        return await self.store.get(key)
+
+    async def init(self, *, validator: bool = False) -> None:
+        """Create the collection's indexes (idempotent), optionally the validator."""
+        await self.store.init(validator=validator)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+
+    async def __aenter__(self) -> TaskRunner:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def sync(self) -> SyncTaskRunner:
+        """A blocking facade with the same semantics, for non-async code."""
+        from taskrunner.sync import SyncTaskRunner
+
+        return SyncTaskRunner(self)
+
+
+def _build(
+    name: str, params: dict[str, Any], spec: Mapping[str, Any], registration: Registration | None
+) -> NewTask:
+    options = {**(registration.options if registration else {}),
+               **{k: v for k, v in spec.items() if k in OPTION_NAMES and v is not None}}  # fmt: skip
+    values = {k: spec.get(k) for k in ("key", "priority", "run_at", "delay") if spec.get(k) is not None}
+    values.setdefault("key", uuid.uuid4().hex)
+    try:
+        return NewTask.model_validate({**values, "name": name, "params": params, "options": options})
+    except ValidationError as exc:
+        raise invalid_task(exc) from None
+
+
+def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: Mapping[str, Any]) -> NewTask:
+    if not isinstance(spec, Mapping):
+        raise InvalidTask(f"tasks[{index}]", "must be a mapping of publish keywords")
+    try:
+        return build(spec)
+    except InvalidTask as exc:
+        raise type(exc)(f"tasks[{index}].{exc.field}", exc.message) from None
+
+
+def _check_unique_keys(tasks: Sequence[NewTask]) -> None:
+    seen: set[str] = set()
+    for i, task in enumerate(tasks):
+        if task.key in seen:
+            raise InvalidTask(f"tasks[{i}].key", f"duplicate key {task.key!r} in one publish_many call")
+        seen.add(task.key)
+
+
+def _check_option_names(options: Mapping[str, Any]) -> None:
+    for field in options:
+        if field not in OPTION_NAMES:
+            raise InvalidTask(f"options.{field}", f"unknown option {field!r}")

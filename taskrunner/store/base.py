@@ -1,0 +1,95 @@
+"""The store seam: what the publish API and the worker ask of a database.
+
+Two implementations pass one contract suite (tests/test_store_contract.py):
+``MongoStore`` (PyMongo async) and ``MemoryStore`` (in-process twin for users'
+tests). Every write that concerns a run carries its ``run_id`` (the fencing
+token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerEntry
+
+EventKind = Literal["insert", "update", "replace", "delete"]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A successful claim: the task as written and the run's fencing token."""
+
+    task: Task
+    run_id: str
+
+    @property
+    def entry(self) -> WorkerEntry:
+        entry = self.task.entry(self.run_id)
+        assert entry is not None, "a claim always holds its own entry"
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeEvent:
+    """A change to the task collection; ``task`` is None for deletes and unreadable documents."""
+
+    kind: EventKind
+    key: str | None
+    task: Task | None
+    token: Mapping[str, Any] | None
+    problem: str | None = None
+
+
+class Store(Protocol):
+    async def init(self, *, validator: bool = False) -> None:
+        """Create indexes (idempotent); optionally install the $jsonSchema validator."""
+
+    async def publish(
+        self,
+        tasks: Sequence[NewTask],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+    ) -> list[Task]:
+        """Insert tasks whose key is new; see docs/publishing.md for the options."""
+
+    async def get(self, key: str) -> Task:
+        """The task with ``key``; raises ``TaskNotFound``."""
+
+    async def find(
+        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+    ) -> list[Task]:
+        """Tasks by state and name, oldest first; malformed documents are skipped."""
+
+    async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
+
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
+        """One page of unfinished tasks in key order, starting after key ``after``."""
+
+    async def claim(
+        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+    ) -> Claim | None:
+        """Atomically claim ``key`` (or the best claimable task) for ``worker_id``."""
+
+    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
+        """Extend the run's lease to server now + ping_timeout."""
+
+    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task: ...
+
+    async def fail(self, key: str, run_id: str, error: TaskError) -> Task: ...
+
+    async def release(self, key: str, run_id: str) -> Task:
+        """Give the claim back without spending the failure budget."""
+
+    async def cancel(self, key: str) -> Task:
+        """Mark the task CANCELED unless it already finished."""
+
+    async def server_time(self) -> datetime: ...
+
+    def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
+        """Change events in commit order, resumable from an event's token."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,252 @@
+"""MongoDB filters and update pipelines that implement ``taskrunner.rules`` on the server.
+
+Every lease time is ``$$NOW``: the server's clock, never a worker's. Each write
+recomputes the summary fields in the same atomic update (``summary_stages``).
+Expressions guard types with ``$type`` so MongoDB and look-alike servers agree
+on missing, null and wrong-typed fields; mongoeco lacks ``$not`` as an
+expression, hence ``{$eq: [expr, false]}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from taskrunner import fields as f
+from taskrunner.models import EntryState, TaskState
+from taskrunner.rules import ACTIVE, FINISHED
+
+Expr = Any
+NOW = "$$NOW"
+W = "$$w"  # the loop variable of $filter / $map over workers
+
+
+def _w(field: str) -> str:
+    return f"{W}.{field}"
+
+
+def _not(expr: Expr) -> Expr:
+    return {"$eq": [expr, False]}
+
+
+# Guarded so a hand-broken ``workers`` never makes the server's evaluation fail.
+WORKERS: Expr = {"$cond": [{"$isArray": f.ref(f.WORKERS)}, f.ref(f.WORKERS), []]}
+
+
+def entries(cond: Expr) -> Expr:
+    return {"$filter": {"input": WORKERS, "as": "w", "cond": cond}}
+
+
+def count(cond: Expr) -> Expr:
+    return {"$size": entries(cond)}
+
+
+def after_now(seconds_path: str) -> Expr:
+    """``$$NOW`` plus a duration stored in seconds at ``seconds_path``."""
+    return {"$add": [NOW, {"$multiply": [f.ref(seconds_path), 1000]}]}
+
+
+IS_RUNNING: Expr = {"$eq": [_w(f.STATE), EntryState.RUNNING.value]}
+IS_SUCCESS: Expr = {"$eq": [_w(f.STATE), EntryState.SUCCESS.value]}
+IS_LIVE: Expr = {
+    "$and": [
+        IS_RUNNING,
+        {"$eq": [{"$type": _w(f.EXPIRES_AT)}, "date"]},
+        {"$gt": [_w(f.EXPIRES_AT), NOW]},
+    ]
+}
+IS_EXPIRED: Expr = {"$and": [IS_RUNNING, _not(IS_LIVE)]}
+CONCURRENCY = f.ref(f.opt(f.CONCURRENCY))
+MAX_FAILURES = f.ref(f.opt(f.MAX_FAILURES))
+
+
+def _is_number(path: str) -> Expr:
+    return {"$isNumber": f.ref(path)}
+
+
+def earliest(dates: str) -> Expr:
+    """Smallest date of an array (``$min`` of an array operand is not portable)."""
+    smaller = {"$or": [{"$eq": ["$$value", None]}, {"$lt": ["$$this", "$$value"]}]}
+    return {
+        "$reduce": {"input": dates, "initialValue": None, "in": {"$cond": [smaller, "$$this", "$$value"]}}
+    }
+
+
+def summary_stages() -> list[Expr]:
+    """Recompute ``state``, ``claimable_at`` and ``updated_at`` (``rules.summarize``)."""
+    succ, live = "$_tr_succ", "$_tr_live"
+    state = {
+        "$switch": {
+            "branches": [
+                {"case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]}, "then": TaskState.CANCELED.value},
+                {"case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
+                 "then": TaskState.SUCCESS.value},
+                {"case": {"$gt": [count(IS_RUNNING), 0]}, "then": TaskState.RUNNING.value},
+                {"case": {"$or": [_not(_is_number(f.opt(f.MAX_FAILURES))),
+                                  {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]}]},
+                 "then": TaskState.FAIL.value},
+            ],
+            "default": TaskState.PENDING.value,
+        }
+    }  # fmt: skip
+    claimable_at = {
+        "$switch": {
+            "branches": [
+                {"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": "$$REMOVE"},
+                {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": f.ref(f.RUN_AT)},
+            ],
+            # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+            "default": {"$max": [f.ref(f.RUN_AT), earliest(f"{live}.{f.EXPIRES_AT}")]},
+        }
+    }  # fmt: skip
+    return [
+        {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(IS_LIVE)}},
+        {"$set": {f.STATE: state, f.UPDATED_AT: NOW}},
+        {"$set": {f.CLAIMABLE_AT: claimable_at}},
+        {"$unset": ["_tr_succ", "_tr_live"]},
+    ]
+
+
+def claim_filter(worker_id: str) -> dict[str, Any]:
+    """Everything ``rules.claimable_by`` checks, evaluated by the server at ``$$NOW``."""
+    me = {"$literal": worker_id}
+    mine_active = {"$and": [{"$eq": [_w(f.WORKER_ID), me]}, {"$or": [IS_SUCCESS, IS_LIVE]}]}
+    return {
+        f.STATE: {"$in": list(ACTIVE)},
+        f.CLAIMABLE_AT: {"$type": "date"},
+        f.WORKERS: {"$type": "array"},
+        "$or": [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}],
+        "$expr": {
+            "$and": [
+                {"$lte": [f.ref(f.CLAIMABLE_AT), NOW]},
+                {"$eq": [count(mine_active), 0]},
+                _is_number(f.FAILURES),
+                {"$lt": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
+                {"$lt": [{"$add": [count(IS_SUCCESS), count(IS_LIVE)]}, CONCURRENCY]},
+            ]
+        },
+    }
+
+
+def claim_update(worker_id: str, run_id: str) -> list[Expr]:
+    """Drop expired leases (each spends a failure) and append this worker's entry."""
+    entry = {
+        f.WORKER_ID: {"$literal": worker_id},
+        f.RUN_ID: {"$literal": run_id},
+        f.STATE: EntryState.RUNNING.value,
+        f.CLAIMED_AT: NOW,
+        f.PING_AT: NOW,
+        f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT)),
+        f.ATTEMPT: f.ref(f.ATTEMPTS),
+        f.PROGRESS: None,
+        f.RESULT: None,
+        f.ERROR: None,
+        f.FINISHED_AT: None,
+    }
+    attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
+    return [
+        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, f.ATTEMPTS: attempts}},
+        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), [entry]]}}},
+        *summary_stages(),
+    ]
+
+
+def entry_filter(key: str, run_id: str) -> dict[str, Any]:
+    """The fencing filter: the run's entry must still be RUNNING under this run_id."""
+    return {f.KEY: key, f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}}}
+
+
+def update_entry(run_id: str, changes: dict[str, Expr]) -> Expr:
+    """Stage that merges ``changes`` into the entry of ``run_id``."""
+    merged = {"$mergeObjects": [W, changes]}
+    mapped = {"$cond": [{"$eq": [_w(f.RUN_ID), {"$literal": run_id}]}, merged, W]}
+    return {"$set": {f.WORKERS: {"$map": {"input": WORKERS, "as": "w", "in": mapped}}}}
+
+
+def ping_update(run_id: str, progress: Any = None) -> list[Expr]:
+    changes: dict[str, Expr] = {f.PING_AT: NOW, f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT))}
+    if progress is not None:
+        changes[f.PROGRESS] = {"$literal": progress}
+    return [update_entry(run_id, changes), *summary_stages()]
+
+
+def success_update(run_id: str, result: Any) -> list[Expr]:
+    changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: NOW}
+    return [update_entry(run_id, changes), *summary_stages()]
+
+
+def failure_update(run_id: str, error: dict[str, Any]) -> list[Expr]:
+    changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: NOW}
+    retry_at = {"$max": [f.ref(f.RUN_AT), after_now(f.opt(f.RETRY_BACKOFF))]}
+    counters = {f.FAILURES: {"$add": [f.ref(f.FAILURES), 1]}, f.RUN_AT: retry_at}
+    return [update_entry(run_id, changes), {"$set": counters}, *summary_stages()]
+
+
+def release_update(run_id: str) -> list[Expr]:
+    keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
+    return [{"$set": {f.WORKERS: entries(keep)}}, *summary_stages()]
+
+
+def cancel_update() -> list[Expr]:
+    done = {"$in": [f.ref(f.STATE), [TaskState.SUCCESS.value, TaskState.FAIL.value]]}
+    state = {"$cond": [done, f.ref(f.STATE), TaskState.CANCELED.value]}
+    return [{"$set": {f.STATE: state}}, *summary_stages()]
+
+
+def start_time(run_at: Any, delay: float | None) -> Expr:
+    """``rules.start_time``: the given ``run_at``, or server now plus ``delay`` seconds."""
+    if run_at is not None:
+        return run_at
+    return {"$add": [NOW, delay * 1000]} if delay else NOW
+
+
+def _missing(path: str) -> Expr:
+    return {"$eq": [{"$type": f.ref(path)}, "missing"]}
+
+
+def publish_update(
+    new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool
+) -> list[Expr]:
+    """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option.
+
+    An existing task that no option applies to is returned unchanged: no write.
+    ``run_at`` is a datetime or ``$$NOW`` (server time).
+    """
+    fresh = {
+        "$mergeObjects": [
+            {"$literal": new},
+            {f.CREATED_AT: NOW, f.UPDATED_AT: NOW, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at},
+        ]
+    }
+    # An upsert starts from {key}: no name and no created_at yet.
+    branches = [{"case": {"$and": [_missing(f.NAME), _missing(f.CREATED_AT)]}, "then": fresh}]
+    if republish_finished:
+        finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
+        branches.append({"case": finished, "then": {"$mergeObjects": [fresh, {f.ID: f.ref(f.ID)}]}})
+    if update_pending:
+        branches.append({"case": _updatable(), "then": _pending_update(new, run_at)})
+    finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
+    drop_claimable = {"$cond": [finished, "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
+    return [
+        {"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}},
+        {"$set": {f.CLAIMABLE_AT: drop_claimable}},
+    ]
+
+
+def _updatable() -> Expr:
+    """``rules.updatable``: PENDING, and no worker running it or done with it."""
+    started = count({"$or": [IS_RUNNING, IS_SUCCESS]})
+    return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
+
+
+def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
+    spent = {"$gte": [f.ref(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
+    changes = {
+        f.PARAMS: {"$literal": new[f.PARAMS]},
+        f.PRIORITY: new[f.PRIORITY],
+        f.OPTIONS: {"$literal": new[f.OPTIONS]},
+        f.RUN_AT: run_at,
+        f.UPDATED_AT: NOW,
+        f.STATE: {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]},
+        f.CLAIMABLE_AT: run_at,
+    }
+    return {"$mergeObjects": ["$$ROOT", changes]}

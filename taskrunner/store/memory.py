@@ -1,0 +1,228 @@
+"""``MemoryStore``: the in-process twin of ``MongoStore`` for tests and prototypes.
+
+It keeps raw documents, so it can also hold malformed ones a test inserts by
+hand, and runs ``taskrunner.rules`` with MongoDB's comparison semantics. Every
+operation completes without awaiting, which makes each one atomic on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from bson import ObjectId
+
+from taskrunner import fields as f
+from taskrunner import rules
+from taskrunner.errors import ChangeHistoryLost, ClaimLost, MalformedTask, TaskNotFound
+from taskrunner.models import NewTask, Task, TaskError, TaskState, to_utc
+from taskrunner.store.base import ChangeEvent, Claim, EventKind
+
+Doc = dict[str, Any]
+
+
+def _utcnow() -> datetime:
+    now = to_utc(datetime.now(UTC))
+    assert isinstance(now, datetime)
+    return now
+
+
+class MemoryStore:
+    """A ``Store`` held in memory; ``clock`` stands in for the server's clock."""
+
+    def __init__(self, *, clock: Callable[[], datetime] = _utcnow, history: int = 10_000) -> None:
+        self._docs: dict[str, Doc] = {}
+        self._clock = clock
+        self._events: list[tuple[int, EventKind, str | None, Doc | None]] = []
+        self._seq = 0
+        self._history = history
+        self._changed = asyncio.Event()
+
+    # -- test helpers ---------------------------------------------------------------
+    def insert_document(self, doc: Doc) -> None:
+        """Store a raw document as-is, as a hand-written mongo-shell insert would."""
+        doc = copy.deepcopy(doc)
+        doc.setdefault(f.ID, ObjectId())
+        self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
+        self._emit("insert", doc)
+
+    def raw(self, key: str) -> Doc:
+        return copy.deepcopy(self._docs[key])
+
+    # -- Store --------------------------------------------------------------------
+    async def init(self, *, validator: bool = False) -> None:
+        return None
+
+    async def publish(
+        self,
+        tasks: Sequence[NewTask],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+    ) -> list[Task]:
+        publish_id = uuid.uuid4().hex
+        return [self._publish_one(t, publish_id, update_pending, republish_finished) for t in tasks]
+
+    def _publish_one(
+        self, task: NewTask, publish_id: str, update_pending: bool, republish_finished: bool
+    ) -> Task:
+        now, doc = self._clock(), self._docs.get(task.key)
+        if doc is None or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
+            fresh = self._fresh(task, publish_id, now, doc)
+            self._docs[task.key] = fresh
+            self._emit("insert" if doc is None else "replace", fresh)
+            return self._task(fresh, created=True)
+        if update_pending and rules.updatable(doc):
+            rules.apply_publish_update(doc, task, now)
+            self._emit("update", doc)
+        return self._task(doc)
+
+    @staticmethod
+    def _fresh(task: NewTask, publish_id: str, now: datetime, old: Doc | None) -> Doc:
+        doc = {f.ID: old[f.ID] if old else ObjectId(), **rules.new_document(task, publish_id)}
+        run_at = rules.start_time(task, now)
+        times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
+        return copy.deepcopy({**doc, **times})
+
+    async def get(self, key: str) -> Task:
+        doc = self._docs.get(key)
+        if doc is None:
+            raise TaskNotFound(key)
+        return self._task(doc)
+
+    async def find(
+        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+    ) -> list[Task]:
+        docs = sorted(self._matching(state, name), key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
+        tasks = [t for t in (self._readable(d) for d in docs) if t is not None]
+        return tasks[:limit] if limit else tasks
+
+    async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
+        return len(self._matching(state, name))
+
+    def _matching(self, state: TaskState | None, name: str | None) -> list[Doc]:
+        return [
+            d
+            for d in self._docs.values()
+            if (state is None or d.get(f.STATE) == state.value) and (name is None or d.get(f.NAME) == name)
+        ]
+
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
+        keys = sorted(k for k, d in self._docs.items() if d.get(f.STATE) in rules.ACTIVE)
+        keys = [k for k in keys if after is None or k > after][:limit]
+        return [t for t in (self._readable(self._docs[k]) for k in keys) if t is not None]
+
+    async def claim(
+        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+    ) -> Claim | None:
+        now = self._clock()
+        eligible = [
+            d
+            for d in self._docs.values()
+            if (key is None or d.get(f.KEY) == key)
+            and (names is None or d.get(f.NAME) in names)
+            and rules.claimable_by(d, worker_id, now)
+        ]
+        if not eligible:
+            return None
+        doc = min(eligible, key=lambda d: (-d[f.PRIORITY], d[f.CREATED_AT], str(d[f.ID])))
+        run_id = uuid.uuid4().hex
+        rules.apply_claim(doc, worker_id, run_id, now)
+        self._emit("update", doc)
+        return Claim(self._task(doc), run_id)
+
+    def _run_write(self, key: str, run_id: str, apply: Callable[[Doc, Doc, datetime], None]) -> Task:
+        doc = self._docs.get(key)
+        entry = rules.running_entry(doc, run_id) if doc is not None else None
+        if doc is None or entry is None:
+            raise ClaimLost(key, run_id)
+        apply(doc, entry, self._clock())
+        self._emit("update", doc)
+        return self._task(doc)
+
+    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
+        progress = copy.deepcopy(progress)
+        return self._run_write(key, run_id, lambda d, e, now: rules.apply_ping(d, e, now, progress))
+
+    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
+        result = copy.deepcopy(result)
+        return self._run_write(key, run_id, lambda d, e, now: rules.apply_success(d, e, result, now))
+
+    async def fail(self, key: str, run_id: str, error: TaskError) -> Task:
+        err = error.model_dump()
+        return self._run_write(key, run_id, lambda d, e, now: rules.apply_failure(d, e, err, now))
+
+    async def release(self, key: str, run_id: str) -> Task:
+        return self._run_write(key, run_id, rules.apply_release)
+
+    async def cancel(self, key: str) -> Task:
+        doc = self._docs.get(key)
+        if doc is None:
+            raise TaskNotFound(key)
+        rules.apply_cancel(doc, self._clock())
+        self._emit("update", doc)
+        return self._task(doc)
+
+    async def server_time(self) -> datetime:
+        return self._clock()
+
+    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
+        position = self._position_after(resume_after)
+        while True:
+            first = self._events[0][0] if self._events else self._seq + 1
+            if position + 1 < first and position < self._seq:
+                raise ChangeHistoryLost(
+                    "change history lost: the resume token is older than the kept history"
+                )
+            fresh = [e for e in self._events if e[0] > position]
+            if not fresh:
+                # No await between this check and clear(): no event can slip in between.
+                self._changed.clear()
+                await self._changed.wait()
+            for seq, kind, key, doc in fresh:
+                position = seq
+                yield self._event(seq, kind, key, doc)
+
+    def _position_after(self, token: Mapping[str, Any] | None) -> int:
+        if token is None:
+            return self._seq
+        try:
+            return int(str(token["_data"]))
+        except (KeyError, ValueError):
+            raise ValueError(f"not a MemoryStore resume token: {token!r}") from None
+
+    async def close(self) -> None:
+        return None
+
+    # -- internals ------------------------------------------------------------------
+    def _emit(self, kind: EventKind, doc: Doc | None, key: str | None = None) -> None:
+        self._seq += 1
+        snapshot = copy.deepcopy(doc)
+        key = key if doc is None else doc.get(f.KEY)
+        self._events.append((self._seq, kind, key, snapshot))
+        del self._events[: max(0, len(self._events) - self._history)]
+        self._changed.set()
+
+    def _event(self, seq: int, kind: EventKind, key: str | None, doc: Doc | None) -> ChangeEvent:
+        token = {"_data": str(seq)}
+        if doc is None:
+            return ChangeEvent(kind, key, None, token)
+        try:
+            return ChangeEvent(kind, key, Task.from_document(doc), token)
+        except MalformedTask as exc:
+            return ChangeEvent(kind, key, None, token, problem=str(exc))
+
+    @staticmethod
+    def _task(doc: Doc, *, created: bool = False) -> Task:
+        return Task.from_document(copy.deepcopy(doc), created=created)
+
+    @staticmethod
+    def _readable(doc: Doc) -> Task | None:
+        try:
+            return Task.from_document(copy.deepcopy(doc))
+        except MalformedTask:
+            return None

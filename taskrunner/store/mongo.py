@@ -1,0 +1,293 @@
+"""``MongoStore``: the task store on MongoDB through PyMongo's native async API.
+
+Claims, pings and finishes are single ``find_one_and_update`` calls whose filter
+re-checks ownership on the server and whose pipeline uses ``$$NOW``. PyMongo's
+exceptions are translated to ``taskrunner.errors`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
+from typing import Any
+
+import bson
+from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
+from pymongo import errors as pe
+from pymongo.asynchronous.collection import AsyncCollection
+
+from taskrunner import fields as f
+from taskrunner import rules
+from taskrunner.errors import (
+    ChangeHistoryLost,
+    ClaimLost,
+    InvalidTask,
+    MalformedTask,
+    StoreError,
+    StoreUnavailable,
+    TaskNotFound,
+    WriteRejected,
+)
+from taskrunner.models import NewTask, Task, TaskError, TaskState
+from taskrunner.redact import redact
+from taskrunner.store import expressions as x
+from taskrunner.store.base import ChangeEvent, Claim, EventKind
+from taskrunner.store.validator import json_schema
+
+Doc = dict[str, Any]
+CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
+_HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
+_DOCUMENT_INVALID = 121
+
+
+@contextmanager
+def mapped_errors() -> Iterator[None]:
+    """Translate PyMongo errors into taskrunner's (the store boundary)."""
+    try:
+        yield
+    except (pe.ConnectionFailure, pe.ServerSelectionTimeoutError, pe.NetworkTimeout, pe.ExecutionTimeout,
+            pe.WTimeoutError) as exc:  # fmt: skip
+        # The topology description PyMongo appends is long and says nothing new.
+        reason = str(exc).split(" (configured timeouts")[0].split(", Timeout:")[0]
+        raise StoreUnavailable(f"MongoDB unavailable: {redact(reason)}") from exc
+    except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
+        raise InvalidTask("task", redact(str(exc))) from exc
+    except pe.OperationFailure as exc:
+        if exc.code in _HISTORY_LOST:
+            raise ChangeHistoryLost(redact(str(exc))) from exc
+        if exc.code == _DOCUMENT_INVALID:
+            raise WriteRejected(f"the collection's validator rejected the write: {exc}") from exc
+        raise StoreError(redact(str(exc))) from exc
+    except pe.PyMongoError as exc:
+        raise StoreError(redact(str(exc))) from exc
+
+
+class MongoStore:
+    """A ``Store`` on one MongoDB collection."""
+
+    def __init__(
+        self, client: AsyncMongoClient[Doc], database: str, collection: str, *, owns_client: bool = False
+    ) -> None:
+        self.client = client
+        self.collection: AsyncCollection[Doc] = client[database][collection]
+        self._owns_client = owns_client
+
+    @classmethod
+    def connect(
+        cls,
+        uri: str,
+        *,
+        database: str = f.DEFAULT_DATABASE,
+        collection: str = f.DEFAULT_COLLECTION,
+        timeout: float = 10.0,
+    ) -> MongoStore:
+        """A store on its own client; ``timeout`` bounds server selection and connects."""
+        try:
+            client: AsyncMongoClient[Doc] = AsyncMongoClient(
+                uri, tz_aware=True, appname="taskrunner",
+                serverSelectionTimeoutMS=int(timeout * 1000), connectTimeoutMS=int(timeout * 1000),
+            )  # fmt: skip
+        except (pe.ConfigurationError, ValueError, TypeError) as exc:
+            raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
+        return cls(client, database, collection, owns_client=True)
+
+    async def init(self, *, validator: bool = False) -> None:
+        with mapped_errors():
+            db = self.collection.database
+            exists = await db.list_collection_names(filter={"name": self.collection.name})
+            schema = json_schema() if validator else None
+            if not exists:
+                await self._create(schema)
+            elif schema is not None:
+                await db.command(
+                    "collMod", self.collection.name, validator=schema, validationLevel="moderate"
+                )
+            for name, (keys, options) in f.INDEXES.items():
+                await self.collection.create_index(keys, name=name, **options)
+
+    async def _create(self, schema: Doc | None) -> None:
+        extra: dict[str, Any] = {} if schema is None else {"validator": schema, "validationLevel": "moderate"}
+        with suppress(pe.CollectionInvalid):  # created concurrently: init is idempotent
+            await self.collection.database.create_collection(self.collection.name, **extra)
+
+    async def publish(
+        self,
+        tasks: Sequence[NewTask],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+    ) -> list[Task]:
+        publish_id = uuid.uuid4().hex
+        ops = [self._publish_op(t, publish_id, update_pending, republish_finished) for t in tasks]
+        if len(ops) == 1:
+            filter_, update = ops[0]
+            doc = await self._publish_single(filter_, update)
+            return [self._task(doc, created=doc.get(f.PUBLISH_ID) == publish_id)]
+        with mapped_errors():
+            if ops:
+                await self.collection.bulk_write(
+                    [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False
+                )
+            docs = {d[f.KEY]: d async for d in self.collection.find({f.KEY: {"$in": [t.key for t in tasks]}})}
+        return [self._task(docs[t.key], created=docs[t.key].get(f.PUBLISH_ID) == publish_id) for t in tasks]
+
+    def _publish_op(
+        self, task: NewTask, publish_id: str, update_pending: bool, republish_finished: bool
+    ) -> tuple[Doc, list[Any]]:
+        new = {f.ID: bson.ObjectId(), **rules.new_document(task, publish_id)}
+        run_at = x.start_time(task.run_at, task.delay)
+        update = x.publish_update(
+            new, run_at, update_pending=update_pending, republish_finished=republish_finished
+        )
+        return {f.KEY: task.key}, update
+
+    async def _publish_single(self, filter_: Doc, update: list[Any]) -> Doc:
+        for _ in range(3):
+            try:
+                with mapped_errors():
+                    doc = await self.collection.find_one_and_update(
+                        filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                    )
+                    assert doc is not None, "an upsert always returns a document"
+                    return doc
+            except StoreError as exc:
+                # Two racing upserts of one key: one inserts, the other hits the unique index.
+                if not isinstance(exc.__cause__, pe.DuplicateKeyError):
+                    raise
+        raise StoreError(f"publish of {filter_[f.KEY]!r} kept colliding with concurrent publishers")
+
+    async def get(self, key: str) -> Task:
+        with mapped_errors():
+            doc = await self.collection.find_one({f.KEY: key})
+        if doc is None:
+            raise TaskNotFound(key)
+        return self._task(doc)
+
+    async def find(
+        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+    ) -> list[Task]:
+        with mapped_errors():
+            cursor = (
+                self.collection.find(self._query(state, name))
+                .sort([(f.CREATED_AT, 1), (f.ID, 1)])
+                .limit(limit)
+            )
+            return [t async for t in self._readable(cursor)]
+
+    async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
+        with mapped_errors():
+            return await self.collection.count_documents(self._query(state, name))
+
+    @staticmethod
+    def _query(state: TaskState | None, name: str | None) -> Doc:
+        query: Doc = {}
+        if state is not None:
+            query[f.STATE] = state.value
+        if name is not None:
+            query[f.NAME] = name
+        return query
+
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
+        query: Doc = {f.STATE: {"$in": list(rules.ACTIVE)}}
+        if after is not None:
+            query[f.KEY] = {"$gt": after}
+        with mapped_errors():
+            cursor = self.collection.find(query).sort(f.KEY, 1).limit(limit)
+            return [t async for t in self._readable(cursor)]
+
+    async def claim(
+        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+    ) -> Claim | None:
+        query = x.claim_filter(worker_id)
+        if key is not None:
+            query[f.KEY] = key
+        if names is not None:
+            query[f.NAME] = {"$in": list(names)}
+        run_id = uuid.uuid4().hex
+        with mapped_errors():
+            doc = await self.collection.find_one_and_update(
+                query,
+                x.claim_update(worker_id, run_id),
+                sort=CLAIM_SORT,
+                return_document=ReturnDocument.AFTER,
+            )
+        return None if doc is None else Claim(self._task(doc), run_id)
+
+    async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
+        with mapped_errors():
+            doc = await self.collection.find_one_and_update(
+                x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+            )
+        if doc is None:
+            raise ClaimLost(key, run_id)
+        return self._task(doc)
+
+    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
+        return await self._run_write(key, run_id, x.ping_update(run_id, progress))
+
+    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
+        return await self._run_write(key, run_id, x.success_update(run_id, result))
+
+    async def fail(self, key: str, run_id: str, error: TaskError) -> Task:
+        return await self._run_write(key, run_id, x.failure_update(run_id, error.model_dump()))
+
+    async def release(self, key: str, run_id: str) -> Task:
+        return await self._run_write(key, run_id, x.release_update(run_id))
+
+    async def cancel(self, key: str) -> Task:
+        with mapped_errors():
+            doc = await self.collection.find_one_and_update(
+                {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+            )
+        if doc is None:
+            raise TaskNotFound(key)
+        return self._task(doc)
+
+    async def server_time(self) -> datetime:
+        with mapped_errors():
+            hello = await self.client.admin.command("hello")
+        now = hello["localTime"]
+        assert isinstance(now, datetime)
+        return now if now.tzinfo else now.replace(tzinfo=UTC)
+
+    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
+        pipeline = [{"$match": {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}}]
+        with mapped_errors():
+            stream = await self.collection.watch(
+                pipeline, full_document="updateLookup", resume_after=resume_after
+            )
+        async with stream:
+            while True:
+                with mapped_errors():
+                    change = await stream.next()
+                yield self._event(change)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.close()
+
+    # -- internals ----------------------------------------------------------------------
+    def _event(self, change: Doc) -> ChangeEvent:
+        kind: EventKind = change["operationType"]
+        doc = change.get("fullDocument")
+        token = change.get("_id")
+        if doc is None:  # a delete, or the document was gone by lookup time
+            return ChangeEvent(kind, None, None, token)
+        try:
+            return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
+        except MalformedTask as exc:
+            return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
+
+    @staticmethod
+    def _task(doc: Doc, *, created: bool = False) -> Task:
+        return Task.from_document(doc, created=created)
+
+    @staticmethod
+    async def _readable(cursor: Any) -> AsyncIterator[Task]:
+        async for doc in cursor:
+            try:
+                yield Task.from_document(doc)
+            except MalformedTask:
+                continue

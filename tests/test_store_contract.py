@@ -1,0 +1,319 @@
+"""One contract for every store: MemoryStore, MongoStore on the embedded server, and
+MongoStore on a real MongoDB when TASKRUNNER_TEST_MONGO_URI is set."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from taskrunner import (
+    ChangeHistoryLost,
+    ClaimLost,
+    MalformedTask,
+    MemoryStore,
+    MongoStore,
+    NewTask,
+    TaskError,
+    TaskNotFound,
+    TaskState,
+)
+from taskrunner.store.base import ChangeEvent, Store
+
+pytestmark = pytest.mark.mongo
+Raw = Callable[[dict[str, Any]], Any]
+
+
+@pytest.fixture(params=["memory", "embedded", "real"])
+async def store(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    if request.param == "real":
+        uri = os.environ.get("TASKRUNNER_TEST_MONGO_URI")
+        if not uri:
+            pytest.skip("real MongoDB: set TASKRUNNER_TEST_MONGO_URI to run the contract on it")
+    else:
+        uri = request.getfixturevalue("embedded_uri")
+    mongo = MongoStore.connect(uri, database="taskrunner_test", collection=collection_name)
+    await mongo.init()
+    yield mongo
+    await mongo.close()
+
+
+@pytest.fixture
+def raw_insert(store: Store) -> Raw:
+    """Insert a document as-is, the way an operator could from the mongo shell."""
+
+    async def insert(doc: dict[str, Any]) -> None:
+        if isinstance(store, MemoryStore):
+            store.insert_document(doc)
+        else:
+            assert isinstance(store, MongoStore)
+            await store.collection.insert_one(doc)
+
+    return insert
+
+
+def task(key: str = "k", **values: Any) -> NewTask:
+    options = values.pop("options", {})
+    return NewTask.build(key=key, name=values.pop("name", "job"), options=options, **values)
+
+
+async def publish(store: Store, *tasks: NewTask, **kwargs: Any) -> list[Any]:
+    return await store.publish(list(tasks), **kwargs)
+
+
+async def test_publish_writes_a_readable_pending_task(store: Store) -> None:
+    """A new key becomes a PENDING document with server timestamps and no entries."""
+    [t] = await publish(store, task("a", params={"x": "$not-an-expression"}, priority=3))
+    assert t.created and t.state is TaskState.PENDING and t.workers == []
+    assert t.params == {"x": "$not-an-expression"} and t.priority == 3
+    assert t.run_at == t.claimable_at == t.created_at
+    assert (await store.get("a")).key == "a"
+
+
+async def test_publishing_an_existing_key_writes_nothing(store: Store) -> None:
+    """Republishing an active key returns the stored task, not created, unchanged."""
+    [first] = await publish(store, task("a", params={"v": 1}))
+    [again] = await publish(store, task("a", params={"v": 2}))
+    assert not again.created and again.params == {"v": 1} and again.updated_at == first.updated_at
+
+
+async def test_concurrent_publishers_of_one_key_make_one_document(store: Store) -> None:
+    """8 racing publishers of one key leave exactly one document, created once."""
+    results = await asyncio.gather(*(publish(store, task("race", params={"n": i})) for i in range(8)))
+    assert sum(r[0].created for r in results) == 1
+    assert await store.count() == 1
+
+
+async def test_publish_many_reports_created_per_key(store: Store) -> None:
+    """A batch inserts its new keys and returns existing ones as not created."""
+    await publish(store, task("old"))
+    tasks = await publish(store, task("n1"), task("old"), task("n2"))
+    assert [(t.key, t.created) for t in tasks] == [("n1", True), ("old", False), ("n2", True)]
+
+
+async def test_sixteen_concurrent_claimers_get_one_claim(store: Store) -> None:
+    """16 workers racing for a concurrency-1 task: exactly one claim succeeds."""
+    await publish(store, task("one"))
+    claims = await asyncio.gather(*(store.claim(f"w{i}", key="one") for i in range(16)))
+    won = [c for c in claims if c is not None]
+    assert len(won) == 1 and len(won[0].task.workers) == 1
+    assert (await store.get("one")).state is TaskState.RUNNING
+
+
+async def test_concurrency_admits_that_many_distinct_workers(store: Store) -> None:
+    """concurrency=3 lets exactly 3 of 6 racing workers claim."""
+    await publish(store, task("three", options={"concurrency": 3}))
+    claims = await asyncio.gather(*(store.claim(f"w{i}", key="three") for i in range(6)))
+    assert len({c.entry.worker_id for c in claims if c}) == 3
+
+
+async def test_a_worker_claims_a_task_once(store: Store) -> None:
+    """A worker with a live or successful entry cannot claim the task again (gap 6)."""
+    await publish(store, task("twice", options={"concurrency": 2}))
+    claim = await store.claim("w1", key="twice")
+    assert claim is not None and await store.claim("w1", key="twice") is None
+    await store.succeed("twice", claim.run_id, {"ok": True})
+    assert await store.claim("w1", key="twice") is None
+    assert await store.claim("w2", key="twice") is not None
+
+
+async def test_stale_run_id_changes_nothing_and_reports_a_lost_claim(store: Store) -> None:
+    """Every run write with a run_id that no longer owns a RUNNING entry raises ClaimLost."""
+    await publish(store, task("fence"))
+    claim = await store.claim("w1", key="fence")
+    assert claim is not None
+    await store.succeed("fence", claim.run_id, 1)
+    before = await store.get("fence")
+    error = TaskError(type="X", message="late")
+    for write in (store.ping("fence", claim.run_id), store.succeed("fence", claim.run_id, 2),
+                  store.fail("fence", claim.run_id, error), store.release("fence", claim.run_id),
+                  store.ping("fence", "never-issued")):  # fmt: skip
+        with pytest.raises(ClaimLost):
+            await write
+    assert await store.get("fence") == before
+
+
+async def test_expired_lease_is_taken_over_and_fences_the_old_run(store: Store) -> None:
+    """After ping_timeout (server time) another worker claims; the old run can no longer write."""
+    await publish(store, task("lease", options={"ping_interval": 0.2, "ping_timeout": 0.6}))
+    old = await store.claim("w1", key="lease")
+    assert old is not None and await store.claim("w2", key="lease") is None
+    await asyncio.sleep(0.9)
+    new = await store.claim("w2", key="lease")
+    assert new is not None and [w.worker_id for w in new.task.workers] == ["w2"]
+    assert new.task.failures == 1  # a lost lease spends the failure budget
+    with pytest.raises(ClaimLost):
+        await store.ping("lease", old.run_id)
+
+
+async def test_ping_extends_the_lease(store: Store) -> None:
+    """Pinging before ping_timeout keeps other workers out past the first deadline."""
+    await publish(store, task("alive", options={"ping_interval": 0.2, "ping_timeout": 0.6}))
+    claim = await store.claim("w1", key="alive")
+    assert claim is not None
+    for _ in range(4):
+        await asyncio.sleep(0.25)
+        pinged = await store.ping("alive", claim.run_id, progress={"done": 0.5})
+    assert pinged.entry(claim.run_id).progress == {"done": 0.5}  # type: ignore[union-attr]
+    assert await store.claim("w2", key="alive") is None
+
+
+async def test_full_slots_are_claimable_at_the_earliest_lease_expiry(store: Store) -> None:
+    """With every slot held, claimable_at is the earliest expiry, not the latest (gap 7)."""
+    await publish(store, task("slots", options={"concurrency": 2}))
+    a = await store.claim("w1", key="slots")
+    b = await store.claim("w2", key="slots")
+    assert a is not None and b is not None
+    assert b.task.claimable_at == min(w.expires_at for w in b.task.workers)
+
+
+async def test_failure_spends_budget_and_waits_for_backoff(store: Store) -> None:
+    """A failure is recorded with its error, delays the next claim, and max_failures ends the task."""
+    await publish(store, task("flaky", options={"max_failures": 2, "retry_backoff": 0.4}))
+    first = await store.claim("w1", key="flaky")
+    assert first is not None
+    failed = await store.fail("flaky", first.run_id, TaskError(type="ValueError", message="boom"))
+    assert failed.state is TaskState.PENDING and failed.failures == 1
+    assert failed.workers[0].error == TaskError(type="ValueError", message="boom")
+    assert await store.claim("w2", key="flaky") is None
+    await asyncio.sleep(0.6)
+    second = await store.claim("w2", key="flaky")
+    assert second is not None
+    done = await store.fail("flaky", second.run_id, TaskError(type="ValueError", message="again"))
+    assert done.state is TaskState.FAIL and done.claimable_at is None
+
+
+async def test_release_returns_the_claim_without_spending_budget(store: Store) -> None:
+    """A released claim is claimable at once by another worker; failures stay 0."""
+    await publish(store, task("rel"))
+    claim = await store.claim("w1", key="rel")
+    assert claim is not None
+    released = await store.release("rel", claim.run_id)
+    assert released.state is TaskState.PENDING and released.failures == 0
+    assert await store.claim("w2", key="rel") is not None
+
+
+async def test_success_needs_concurrency_distinct_workers(store: Store) -> None:
+    """A concurrency-2 task is SUCCESS only after two workers succeed."""
+    await publish(store, task("pair", options={"concurrency": 2}))
+    a, b = await store.claim("w1", key="pair"), await store.claim("w2", key="pair")
+    assert a is not None and b is not None
+    assert (await store.succeed("pair", a.run_id, "a")).state is TaskState.RUNNING
+    assert (await store.succeed("pair", b.run_id, "b")).state is TaskState.SUCCESS
+
+
+async def test_claim_respects_worker_ids_run_at_and_priority(store: Store) -> None:
+    """Only listed workers claim; future run_at waits; the best task is highest priority, then oldest."""
+    await publish(store, task("only-w9", options={"worker_ids": ["w9"]}, priority=100))
+    await publish(store, task("later", delay=60, priority=50))
+    await publish(store, task("low", priority=1))
+    await publish(store, task("high", priority=5))
+    await publish(store, task("high-newer", priority=5))
+    order = [c.task.key for c in [await store.claim(f"w{i}") for i in range(4)] if c]
+    assert order == ["high", "high-newer", "low"]
+    claim = await store.claim("w9")
+    assert claim is not None and claim.task.key == "only-w9"
+
+
+async def test_cancel_stops_a_pending_task_from_being_claimed(store: Store) -> None:
+    """A canceled task is CANCELED and never claimable; unknown keys raise TaskNotFound."""
+    await publish(store, task("c"))
+    assert (await store.cancel("c")).state is TaskState.CANCELED
+    assert await store.claim("w1", key="c") is None
+    with pytest.raises(TaskNotFound):
+        await store.cancel("missing")
+
+
+async def test_update_pending_and_republish_finished(store: Store) -> None:
+    """update_pending rewrites an unstarted task; republish_finished restarts a finished one."""
+    await publish(store, task("u", params={"v": 1}))
+    [updated] = await publish(store, task("u", params={"v": 2}), update_pending=True)
+    assert updated.params == {"v": 2} and not updated.created
+    claim = await store.claim("w1", key="u")
+    assert claim is not None
+    [running] = await publish(store, task("u", params={"v": 3}), update_pending=True)
+    assert running.params == {"v": 2}
+    await store.succeed("u", claim.run_id)
+    [again] = await publish(store, task("u", params={"v": 4}), republish_finished=True)
+    assert again.created and again.state is TaskState.PENDING and again.workers == []
+    assert again.params == {"v": 4} and await store.count() == 1
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"claimable_at": None},
+        {"claimable_at": "2000-01-01"},
+        {"claimable_at": 0},
+        {"claimable_at": "MISSING"},
+        {"workers": "not-an-array"},
+        {"options": None},
+        {"failures": "0"},
+        {"state": "BOGUS"},
+    ],
+    ids=["null", "string", "number", "missing", "workers", "options", "failures", "state"],
+)
+async def test_malformed_documents_are_never_claimed(
+    store: Store, raw_insert: Raw, doc: dict[str, Any]
+) -> None:
+    """Null, missing and wrong-typed claim fields never match (MongoDB's type bracketing)."""
+    past = datetime.now(UTC) - timedelta(hours=1)
+    base: dict[str, Any] = {"key": "bad", "name": "job", "params": {}, "priority": 0, "created_at": past,
+                            "updated_at": past, "run_at": past, "claimable_at": past, "state": "PENDING",
+                            "failures": 0, "attempts": 0, "workers": [],
+                            "options": {"concurrency": 1, "max_failures": 3, "local_retries": 0,
+                                        "retry_backoff": 1, "ping_interval": 1, "ping_timeout": 5,
+                                        "worker_ids": []}}  # fmt: skip
+    base.update(doc)
+    if base["claimable_at"] == "MISSING":
+        del base["claimable_at"]
+    await raw_insert(base)
+    assert await store.claim("w1") is None
+
+
+async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_insert: Raw) -> None:
+    """Reading a hand-broken document raises MalformedTask naming the field."""
+    await raw_insert({"key": "broken", "name": "job", "params": "nope"})
+    with pytest.raises(MalformedTask, match="params"):
+        await store.get("broken")
+
+
+async def next_events(stream: AsyncIterator[ChangeEvent], n: int) -> list[ChangeEvent]:
+    return [await asyncio.wait_for(anext(stream), 5) for _ in range(n)]
+
+
+async def test_watch_delivers_changes_and_resumes_from_a_token(store: Store) -> None:
+    """Insert and update events arrive in order; resuming after a token repeats and loses nothing."""
+    stream = store.watch()
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.2)  # the stream is open before the first write
+    await publish(store, task("w"))
+    first = await asyncio.wait_for(pending, 5)
+    claim = await store.claim("w1", key="w")
+    assert claim is not None
+    [second] = await next_events(stream, 1)
+    await stream.aclose()  # type: ignore[attr-defined]
+    await store.succeed("w", claim.run_id, 42)
+    await publish(store, task("w2"))
+    resumed = store.watch(resume_after=first.token)
+    events = await next_events(resumed, 3)
+    await resumed.aclose()  # type: ignore[attr-defined]
+    assert (first.kind, first.key) == ("insert", "w")
+    assert second.task is not None and second.task.state is TaskState.RUNNING
+    assert [(e.kind, e.key) for e in events] == [("update", "w"), ("update", "w"), ("insert", "w2")]
+    assert events[1].task is not None and events[1].task.state is TaskState.SUCCESS
+
+
+async def test_memory_watch_reports_lost_history() -> None:
+    """Resuming from a token older than the kept history raises ChangeHistoryLost."""
+    store = MemoryStore(history=2)
+    await store.publish([task("a"), task("b"), task("c"), task("d")])
+    with pytest.raises(ChangeHistoryLost):
+        await anext(store.watch(resume_after={"_data": "1"}))
