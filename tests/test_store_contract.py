@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pymongo.errors import WriteError
 
 from taskrunner import (
     ChangeHistoryLost,
@@ -317,3 +318,22 @@ async def test_memory_watch_reports_lost_history() -> None:
     await store.publish([task("a"), task("b"), task("c"), task("d")])
     with pytest.raises(ChangeHistoryLost):
         await anext(store.watch(resume_after={"_data": "1"}))
+
+
+async def test_validator_accepts_every_write_taskrunner_makes(store: Store) -> None:
+    """With the $jsonSchema validator installed, a full lifecycle passes and a broken insert is refused."""
+    if not isinstance(store, MongoStore):
+        pytest.skip("the validator is a MongoDB feature")
+    await store.init(validator=True)
+    await store.init(validator=True)  # idempotent
+    await publish(store, task("v", options={"concurrency": 2, "retry_backoff": 0}))
+    first, second = await store.claim("w1"), await store.claim("w2")
+    assert first is not None and second is not None
+    await store.ping("v", first.run_id, progress={"p": 1})
+    await store.fail("v", first.run_id, TaskError(type="E", message="m", traceback="tb"))
+    await store.release("v", second.run_id)
+    third = await store.claim("w1")
+    assert third is not None
+    assert (await store.succeed("v", third.run_id, {"r": 1})).state is TaskState.PENDING  # 1 of 2 successes
+    with pytest.raises(WriteError, match=r"[Vv]alidation"):
+        await store.collection.insert_one({"key": "broken"})

@@ -40,6 +40,7 @@ Doc = dict[str, Any]
 CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _DOCUMENT_INVALID = 121
+_DUPLICATE_KEY = 11000
 
 
 @contextmanager
@@ -96,11 +97,11 @@ class MongoStore:
     async def init(self, *, validator: bool = False) -> None:
         with mapped_errors():
             db = self.collection.database
-            exists = await db.list_collection_names(filter={"name": self.collection.name})
+            found = [c async for c in await db.list_collections(filter={"name": self.collection.name})]
             schema = json_schema() if validator else None
-            if not exists:
+            if not found:
                 await self._create(schema)
-            elif schema is not None:
+            elif schema is not None and found[0].get("options", {}).get("validator") != schema:
                 await db.command(
                     "collMod", self.collection.name, validator=schema, validationLevel="moderate"
                 )
@@ -125,11 +126,8 @@ class MongoStore:
             filter_, update = ops[0]
             doc = await self._publish_single(filter_, update)
             return [self._task(doc, created=doc.get(f.PUBLISH_ID) == publish_id)]
+        await self._publish_bulk(ops)
         with mapped_errors():
-            if ops:
-                await self.collection.bulk_write(
-                    [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False
-                )
             docs = {d[f.KEY]: d async for d in self.collection.find({f.KEY: {"$in": [t.key for t in tasks]}})}
         return [self._task(docs[t.key], created=docs[t.key].get(f.PUBLISH_ID) == publish_id) for t in tasks]
 
@@ -142,6 +140,21 @@ class MongoStore:
             new, run_at, update_pending=update_pending, republish_finished=republish_finished
         )
         return {f.KEY: task.key}, update
+
+    async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]]) -> None:
+        if not ops:
+            return
+        try:
+            with mapped_errors():
+                await self.collection.bulk_write(
+                    [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False
+                )
+        except StoreError as exc:
+            # A racing publisher inserted some keys first: those tasks exist, which is the goal.
+            cause = exc.__cause__
+            errors = cause.details.get("writeErrors", []) if isinstance(cause, pe.BulkWriteError) else [None]
+            if any(e is None or e.get("code") != _DUPLICATE_KEY for e in errors):
+                raise
 
     async def _publish_single(self, filter_: Doc, update: list[Any]) -> Doc:
         for _ in range(3):

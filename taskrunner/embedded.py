@@ -1,0 +1,571 @@
+"""Embedded MongoDB-compatible server: mongoeco's wire proxy plus a bridge for what it lacks.
+
+mongoeco (pinned ``==4.11.0``) ships an in-process MongoDB engine and
+``AsyncMongoEcoProxyServer``, which speaks the real wire protocol so PyMongo, the
+Node driver and ``mongosh`` can connect.  Out of the box it falls short of what
+taskrunner needs, so :class:`_BridgeExecutor` is installed in place of the
+proxy's command executor and fixes three things:
+
+* Change streams.  The wire server rejects ``$changeStream``, but the
+  in-process client supports ``watch()``.  The bridge answers ``aggregate``
+  commands that start with ``$changeStream`` (collection, database and cluster
+  level) plus the ``getMore``/``killCursors`` of those cursors by serving
+  batches from an in-process watch, with a ``postBatchResumeToken`` on every
+  batch.  Bridge cursor ids live in ``[2**30, 2**31)``: mongoeco's own ids
+  count up from 1 and it rejects ids that do not fit in 32 bits.
+* Change history.  mongoeco records events only while a watcher exists, and
+  writes without one become gaps that break later resumes, so one idle
+  watcher stays open for the server's lifetime.
+* ``collMod``.  mongoeco has no ``collMod``; the bridge applies its validator
+  settings (``validator``, ``validationLevel``, ``validationAction``) to the
+  engine's stored collection options, so ``taskrunner init --validator`` works
+  on an existing collection as it does on MongoDB.
+* Cursor id width.  mongoeco replies with 32-bit cursor ids, which the Node
+  driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
+  then send back.  Replies get Int64 ids and requests get plain ints.
+
+The bridge reads mongoeco internals (the executor seam, the hub's lock and
+event list, the cursor offset); ``tests/test_embedded.py`` fails loudly when a
+mongoeco upgrade moves any of them.  Known mongoeco quirks the bridge does not
+hide: update events carry no ``updateDescription``, dropping a collection
+loses the next change event, and cross-type comparisons differ from MongoDB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import ipaddress
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+try:
+    from mongoeco._types.documents import encode_change_stream_token
+    from mongoeco.api import AsyncMongoClient as _EcoClient
+    from mongoeco.core.bson_scalars import BsonInt64
+    from mongoeco.errors import OperationFailure
+    from mongoeco.wire import AsyncMongoEcoProxyServer
+except ImportError:  # Python < 3.13 or the 'embedded' extra is missing.
+    _MONGOECO_AVAILABLE = False
+else:
+    _MONGOECO_AVAILABLE = True
+
+__all__ = ["EmbeddedServer", "ServerThread", "serve"]
+
+_MISSING_EXTRA = (
+    "the embedded server needs the 'embedded' extra: pip install 'taskrunner[embedded]' (Python >= 3.13)"
+)
+_FIRST_BRIDGE_ID = 2**30
+_ID_LIMIT = 2**31
+_DEFAULT_AWAIT_MS = 1000  # MongoDB's awaitData default for getMore
+_DEFAULT_BATCH = 1000  # bounds a reply when the client sets no batchSize
+_IDLE_CURSOR_SECONDS = 600.0  # MongoDB's cursorTimeoutMillis default
+_HISTORY_LOST = "no longer available"
+_STREAM_OPTIONS = {
+    "fullDocument": "full_document",
+    "resumeAfter": "resume_after",
+    "startAfter": "start_after",
+}
+
+
+def _require_mongoeco() -> None:
+    if not _MONGOECO_AVAILABLE:
+        raise RuntimeError(_MISSING_EXTRA)
+
+
+def _failure(message: str, code: int, code_name: str, *labels: str) -> Exception:
+    # mongoeco renders codeName from details; labels drive driver resume logic.
+    error: Exception = OperationFailure(
+        message, code=code, details={"codeName": code_name}, error_labels=labels
+    )
+    return error
+
+
+def _cursor_not_found(cursor_id: int) -> Exception:
+    return _failure(f"cursor id {cursor_id} not found", 43, "CursorNotFound", "ResumableChangeStreamError")
+
+
+def _translate(error: Exception) -> Exception:
+    """Give mongoeco's code-less history errors MongoDB's code so drivers react correctly."""
+    if _HISTORY_LOST in str(error):
+        return _failure(str(error), 286, "ChangeStreamHistoryLost")
+    return error
+
+
+def _plain_int(value: Any) -> Any:
+    return value.value if isinstance(value, BsonInt64) else value
+
+
+def _with_int64_cursor_id(reply: dict[str, Any]) -> dict[str, Any]:
+    cursor = reply.get("cursor")
+    if isinstance(cursor, dict) and type(cursor.get("id")) is int:
+        cursor["id"] = BsonInt64(cursor["id"])
+    return reply
+
+
+def _unwrap_cursor_ids(command: str, body: dict[str, Any]) -> None:
+    """Turn the Int64 ids clients echo back into ints, which mongoeco's handlers require."""
+    if command == "getMore":
+        body["getMore"] = _plain_int(body["getMore"])
+    elif command == "killCursors" and isinstance(body.get("cursors"), list):
+        body["cursors"] = [_plain_int(cursor_id) for cursor_id in body["cursors"]]
+
+
+def _is_bridge_id(value: object) -> bool:
+    return isinstance(value, int) and _FIRST_BRIDGE_ID <= value < _ID_LIMIT
+
+
+def _is_change_stream(body: dict[str, Any]) -> bool:
+    pipeline = body.get("pipeline")
+    if not isinstance(pipeline, list) or not pipeline:
+        return False
+    return isinstance(pipeline[0], dict) and "$changeStream" in pipeline[0]
+
+
+def _batch_size(value: object) -> int:
+    value = _plain_int(value)
+    return value if isinstance(value, int) and value >= 0 else _DEFAULT_BATCH
+
+
+def _await_ms(body: dict[str, Any]) -> int:
+    value = _plain_int(body.get("maxTimeMS"))
+    return value if isinstance(value, int) and value >= 0 else _DEFAULT_AWAIT_MS
+
+
+def _post_batch_token(stream: Any) -> dict[str, str]:
+    """Resume token meaning "everything this stream has passed over", read under the hub lock.
+
+    Built from the stream's own offset, not the hub's end, so events that land
+    while the reply is assembled are neither skipped nor repeated on resume.
+    """
+    hub = stream._hub
+    with hub._condition:
+        events = hub._events
+        index = stream._offset - hub._base_offset
+        if 0 < index <= len(events):
+            token = events[index - 1].token
+        elif events:
+            token = events[0].token - 1
+        else:
+            token = hub._next_token - 1
+    return {"_data": encode_change_stream_token(token)}
+
+
+async def _collect(stream: Any, limit: int, await_ms: int) -> list[Any]:
+    """Wait up to await_ms for a first event, then take only what is already there."""
+    events: list[Any] = []
+    while len(events) < limit and stream.alive:
+        stream._max_await_time_ms = 0 if events else await_ms
+        event = await stream.try_next()
+        if event is None:
+            break
+        events.append(event)
+    return events
+
+
+@dataclass(frozen=True, slots=True)
+class _BridgedCommand:
+    """Request context for commands the bridge answers; the proxy only passes it back to us."""
+
+    name: str
+    db: str
+    body: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _StreamCursor:
+    cursor_id: int
+    ns: str
+    stream: Any
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class _ChangeStreams:
+    """Serves change-stream cursors from in-process watches of the proxy's own client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._cursors: dict[int, _StreamCursor] = {}
+        # Never read: it only keeps mongoeco recording history between streams.
+        self._keeper = client.watch(max_await_time_ms=0)
+
+    def owns(self, cursor_id: object) -> bool:
+        return _is_bridge_id(cursor_id)
+
+    def close(self) -> None:
+        for cursor in self._cursors.values():
+            cursor.stream.close()
+        self._cursors.clear()
+        self._keeper.close()
+
+    async def aggregate(self, command: _BridgedCommand) -> dict[str, Any]:
+        self._reap_idle()
+        spec = command.body["pipeline"][0]["$changeStream"]
+        target, ns = self._target(command, spec)
+        try:
+            stream = target.watch(command.body["pipeline"][1:] or None, **_watch_options(spec))
+        except OperationFailure as error:
+            raise _translate(error) from error
+        cursor = _StreamCursor(self._new_id(), ns, stream)
+        self._cursors[cursor.cursor_id] = cursor
+        size = _batch_size((command.body.get("cursor") or {}).get("batchSize"))
+        # A first batch must not block: MongoDB returns it at once, often empty.
+        return await self._reply(cursor, "firstBatch", size, await_ms=0)
+
+    async def get_more(self, command: _BridgedCommand) -> dict[str, Any]:
+        cursor_id = command.body["getMore"]
+        cursor = self._cursors.get(cursor_id)
+        if cursor is None:
+            raise _cursor_not_found(cursor_id)
+        size = _batch_size(command.body.get("batchSize"))
+        return await self._reply(cursor, "nextBatch", size, _await_ms(command.body))
+
+    def kill(self, cursor_ids: list[int]) -> tuple[list[int], list[int]]:
+        killed = [cursor_id for cursor_id in cursor_ids if cursor_id in self._cursors]
+        for cursor_id in killed:
+            self._cursors.pop(cursor_id).stream.close()
+        return killed, [cursor_id for cursor_id in cursor_ids if cursor_id not in killed]
+
+    async def _reply(self, cursor: _StreamCursor, key: str, size: int, await_ms: int) -> dict[str, Any]:
+        try:
+            events = await _collect(cursor.stream, size, await_ms)
+        except OperationFailure as error:
+            killed_while_waiting = cursor.cursor_id not in self._cursors
+            self.kill([cursor.cursor_id])
+            if killed_while_waiting:
+                raise _cursor_not_found(cursor.cursor_id) from error
+            raise _translate(error) from error
+        cursor.last_used = time.monotonic()
+        if not cursor.stream.alive:  # an invalidate event closed it
+            self.kill([cursor.cursor_id])
+        reply_id = cursor.cursor_id if cursor.cursor_id in self._cursors else 0
+        batch = {
+            key: events,
+            "id": BsonInt64(reply_id),
+            "ns": cursor.ns,
+            "postBatchResumeToken": _post_batch_token(cursor.stream),
+        }
+        return {"cursor": batch, "ok": 1.0}
+
+    def _target(self, command: _BridgedCommand, spec: dict[str, Any]) -> tuple[Any, str]:
+        database = self.client.get_database(command.db)
+        source = command.body["aggregate"]
+        if isinstance(source, str):
+            return database.get_collection(source), f"{command.db}.{source}"
+        if spec.get("allChangesForCluster"):
+            if command.db != "admin":
+                raise OperationFailure("allChangesForCluster is only allowed on 'admin'")
+            return self.client, "admin.$cmd.aggregate"
+        return database, f"{command.db}.$cmd.aggregate"
+
+    def _new_id(self) -> int:
+        # Random rather than sequential so a client that outlived a server restart
+        # gets CursorNotFound instead of another client's stream.
+        while True:
+            cursor_id = _FIRST_BRIDGE_ID + secrets.randbelow(_ID_LIMIT - _FIRST_BRIDGE_ID)
+            if cursor_id not in self._cursors:
+                return cursor_id
+
+    def _reap_idle(self) -> None:
+        # Clients that vanish never send killCursors; each stream pins a watcher.
+        cutoff = time.monotonic() - _IDLE_CURSOR_SECONDS
+        self.kill([c.cursor_id for c in self._cursors.values() if c.last_used < cutoff])
+
+
+def _watch_options(spec: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for key, value in spec.items():
+        if key in _STREAM_OPTIONS:
+            options[_STREAM_OPTIONS[key]] = value
+        elif key == "allChangesForCluster" or (key == "fullDocumentBeforeChange" and value == "off"):
+            continue
+        else:
+            raise OperationFailure(f"$changeStream option {key!r} is not supported by mongoeco")
+    return options
+
+
+_VALIDATION_OPTIONS = ("validator", "validationLevel", "validationAction")
+_GENERIC_FIELDS = {"collMod", "lsid", "comment", "txnNumber", "writeConcern"}
+
+
+def _is_validation_coll_mod(body: dict[str, Any]) -> bool:
+    """A collMod that only changes validation settings, which the bridge can apply."""
+    fields = {k for k in body if not k.startswith("$")} - _GENERIC_FIELDS
+    return bool(fields) and fields <= set(_VALIDATION_OPTIONS) and isinstance(body["collMod"], str)
+
+
+async def _coll_mod(client: Any, command: _BridgedCommand) -> dict[str, Any]:
+    engine, name = client._engine, command.body["collMod"]
+    async with engine._get_lock(command.db, name):
+        options = engine._collection_options.get(command.db, {}).get(name)
+        if options is None:
+            raise _failure(f"ns does not exist: {command.db}.{name}", 26, "NamespaceNotFound")
+        options.update({k: copy.deepcopy(command.body[k]) for k in _VALIDATION_OPTIONS if k in command.body})
+    return {"ok": 1.0}
+
+
+class _BridgeExecutor:
+    """Stands in for the proxy's WireCommandExecutor, diverting what mongoeco cannot serve."""
+
+    def __init__(self, inner: Any, streams: _ChangeStreams) -> None:
+        self._inner = inner
+        self._streams = streams
+
+    def error_document(self, error: Exception) -> dict[str, Any]:
+        document: dict[str, Any] = self._inner.error_document(error)
+        return document
+
+    def _build_request_context(
+        self,
+        body: dict[str, Any],
+        *,
+        connection: Any,
+        db_name: str | None = None,
+        on_normalized: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> Any:
+        command = next(iter(body), "")
+        _unwrap_cursor_ids(command, body)
+        bridged = self._divert(command, body, db_name or body.get("$db"))
+        if bridged is None:
+            return self._inner._build_request_context(
+                body, connection=connection, db_name=db_name, on_normalized=on_normalized
+            )
+        if on_normalized is not None:  # keeps the proxy's diagnostics naming the command
+            on_normalized(command, body)
+        return bridged
+
+    def _divert(self, command: str, body: dict[str, Any], db: object) -> _BridgedCommand | None:
+        if not isinstance(db, str):
+            return None  # let mongoeco produce its own error
+        if command == "aggregate" and _is_change_stream(body):
+            return _BridgedCommand(command, db, body)
+        if command == "collMod" and _is_validation_coll_mod(body):
+            return _BridgedCommand(command, db, body)
+        if command == "getMore" and self._streams.owns(body["getMore"]):
+            return _BridgedCommand(command, db, body)
+        if command == "killCursors" and isinstance(body.get("cursors"), list):
+            return self._split_kill(body, db)
+        return None
+
+    def _split_kill(self, body: dict[str, Any], db: str) -> _BridgedCommand | None:
+        ours = [cursor_id for cursor_id in body["cursors"] if self._streams.owns(cursor_id)]
+        if not ours:
+            return None
+        rest = [cursor_id for cursor_id in body["cursors"] if cursor_id not in ours]
+        if rest:  # mixed lists never come from drivers; mongoeco kills the rest
+            self._streams.kill(ours)
+            body["cursors"] = rest
+            return None
+        return _BridgedCommand("killCursors", db, body)
+
+    async def execute_prepared(self, context: Any) -> dict[str, Any]:
+        if not isinstance(context, _BridgedCommand):
+            reply: dict[str, Any] = await self._inner.execute_prepared(context)
+            return _with_int64_cursor_id(reply)
+        if context.name == "aggregate":
+            return await self._streams.aggregate(context)
+        if context.name == "getMore":
+            return await self._streams.get_more(context)
+        if context.name == "collMod":
+            return await _coll_mod(self._streams.client, context)
+        killed, unknown = self._streams.kill(context.body["cursors"])
+        return {
+            "cursorsKilled": killed,
+            "cursorsNotFound": unknown,
+            "cursorsAlive": [],
+            "cursorsUnknown": [],
+            "ok": 1.0,
+        }
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname may resolve to anything
+
+
+def _warn_if_exposed(host: str) -> None:
+    if not _is_loopback(host):
+        print(
+            f"WARNING: the embedded MongoDB server listens on {host!r} WITHOUT "
+            "authentication; anyone who can reach it over the network can read and "
+            "change all data.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _format_uri(host: str, port: int) -> str:
+    if ":" in host:
+        host = f"[{host}]"
+    return f"mongodb://{host}:{port}/?directConnection=true"
+
+
+class EmbeddedServer:
+    """A mongoeco wire server on host:port with taskrunner's bridge installed; no auth."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, history_size: int = 10_000) -> None:
+        _require_mongoeco()
+        self._host = host
+        self._port = port
+        self._history_size = history_size
+        self._client: Any = None
+        self._proxy: Any = None
+        self._streams: _ChangeStreams | None = None
+        self._uri: str | None = None
+
+    @property
+    def uri(self) -> str:
+        if self._uri is None:
+            raise RuntimeError("the embedded server is not running")
+        return self._uri
+
+    async def start(self) -> str:
+        if self._uri is not None:
+            return self._uri
+        _warn_if_exposed(self._host)
+        self._client = _EcoClient(change_stream_history_size=self._history_size)
+        await self._client.__aenter__()  # connects the engine the proxy will share
+        try:
+            self._uri = await self._start_proxy()
+        except BaseException:
+            await self.stop()
+            raise
+        return self._uri
+
+    async def _start_proxy(self) -> str:
+        proxy = AsyncMongoEcoProxyServer(client=self._client, host=self._host, port=self._port)
+        self._proxy = proxy
+        self._streams = _ChangeStreams(self._client)
+        proxy._executor = _BridgeExecutor(proxy._executor, self._streams)
+        address = await proxy.start()
+        return _format_uri(address.host, address.port)
+
+    async def stop(self) -> None:
+        self._uri = None
+        proxy, self._proxy = self._proxy, None
+        streams, self._streams = self._streams, None
+        client, self._client = self._client, None
+        if streams is not None:
+            streams.close()  # wakes getMores parked in the hub before connections drop
+        if proxy is not None:
+            await proxy.close()
+        if client is not None:
+            await client.close()
+
+    async def __aenter__(self) -> EmbeddedServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
+async def _wait_for_stop_signal() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed: list[signal.Signals] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # Outside the main thread (or on Windows) only cancellation can stop us.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signum, stop.set)
+            installed.append(signum)
+    try:
+        await stop.wait()
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+
+
+async def serve(
+    host: str = "127.0.0.1",
+    port: int = 27017,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Run an embedded server until SIGINT/SIGTERM or cancellation, then stop it cleanly."""
+    async with EmbeddedServer(host, port) as server:
+        if on_ready is not None:
+            on_ready(server.uri)
+        await _wait_for_stop_signal()
+
+
+class ServerThread:
+    """An EmbeddedServer on its own event loop in a daemon thread, for sync code and fixtures."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = EmbeddedServer(host, port)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def uri(self) -> str:
+        return self._server.uri
+
+    def start(self) -> str:
+        if self._thread is not None:
+            return self.uri
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="taskrunner-embedded", daemon=True
+        )
+        self._thread.start()
+        try:
+            return asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.stop(), loop).result()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+            self._loop = self._thread = None
+
+    def __enter__(self) -> ServerThread:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until interrupted, printing the URI as the first stdout line."""
+    parser = argparse.ArgumentParser(description="Embedded MongoDB-compatible server (no auth).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=27017)
+    args = parser.parse_args(argv)
+    asyncio.run(serve(args.host, args.port, on_ready=lambda uri: print(uri, flush=True)))
+
+
+if __name__ == "__main__":
+    main()

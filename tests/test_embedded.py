@@ -1,0 +1,365 @@
+"""Tests of the embedded server: change-stream bridge, Int64 cursor ids, CLI and mongosh."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bson.int64 import Int64
+from mongosh import mongosh_path
+from pymongo import AsyncMongoClient, MongoClient, monitoring
+from pymongo.errors import OperationFailure
+
+from taskrunner.embedded import EmbeddedServer
+
+pytestmark = pytest.mark.embedded
+
+_WRITER = """
+import json, sys
+from pymongo import MongoClient
+uri, name, ops = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with MongoClient(uri) as client:
+    collection = client.taskrunner[name]
+    for op, *args in ops:
+        getattr(collection, op)(*args)
+"""
+
+
+async def _write_from_other_process(uri: str, name: str, ops: list[list[Any]]) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _WRITER, uri, name, json.dumps(ops), stderr=subprocess.PIPE
+    )
+    _, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()
+
+
+def _client(uri: str, **options: Any) -> AsyncMongoClient[dict[str, Any]]:
+    return AsyncMongoClient(uri, **options)
+
+
+def _sync_client(uri: str, **options: Any) -> MongoClient[dict[str, Any]]:
+    return MongoClient(uri, **options)
+
+
+def _summary(event: dict[str, Any]) -> tuple[str, object, object]:
+    return event["operationType"], event["documentKey"]["_id"], event.get("fullDocument")
+
+
+class _Recorder(monitoring.CommandListener):
+    """Keeps every command reply and failure so tests can inspect the wire traffic."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+        self.replies: list[tuple[str, dict[str, Any]]] = []
+        self.failures: list[tuple[str, dict[str, Any]]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.commands.append(event.command_name)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        self.replies.append((event.command_name, dict(event.reply)))
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        self.failures.append((event.command_name, dict(event.failure)))
+
+
+async def test_stream_sees_other_process_writes_and_resumes_exactly(
+    embedded_uri: str, collection_name: str
+) -> None:
+    """A stream gets another process's inserts and updates, then resumes from a token exactly."""
+    async with _client(embedded_uri) as client:
+        tasks = client.taskrunner[collection_name]
+        stream = await tasks.watch(full_document="updateLookup", max_await_time_ms=5000)
+        await _write_from_other_process(
+            embedded_uri,
+            collection_name,
+            [["insert_one", {"_id": 1, "n": 1}], ["update_one", {"_id": 1}, {"$set": {"n": 2}}]],
+        )
+        seen = [_summary(await stream.next()) for _ in range(2)]
+        assert seen == [("insert", 1, {"_id": 1, "n": 1}), ("update", 1, {"_id": 1, "n": 2})]
+        token = stream.resume_token
+        await stream.close()
+        await _write_from_other_process(
+            embedded_uri,
+            collection_name,
+            [
+                ["insert_one", {"_id": 2, "n": 1}],
+                ["update_one", {"_id": 1}, {"$set": {"n": 3}}],
+                ["delete_one", {"_id": 2}],
+            ],
+        )
+        async with await tasks.watch(
+            full_document="updateLookup", resume_after=token, max_await_time_ms=300
+        ) as resumed:
+            seen = [_summary(await resumed.next()) for _ in range(3)]
+            extra = await resumed.try_next()
+    assert seen == [
+        ("insert", 2, {"_id": 2, "n": 1}),
+        ("update", 1, {"_id": 1, "n": 3}),
+        ("delete", 2, None),
+    ]
+    assert extra is None
+
+
+async def test_parked_get_more_returns_as_soon_as_a_write_lands(
+    embedded_uri: str, collection_name: str
+) -> None:
+    """A getMore waiting on maxAwaitTimeMS=10s returns within 0.5s of a write, not at the deadline."""
+    async with _client(embedded_uri) as client:
+        tasks = client.taskrunner[collection_name]
+        async with await tasks.watch(max_await_time_ms=10_000) as stream:
+
+            async def write_later() -> float:
+                await asyncio.sleep(0.3)  # lets the getMore park in the hub first
+                written_at = time.monotonic()
+                await tasks.insert_one({"_id": "late"})
+                return written_at
+
+            writer = asyncio.create_task(write_later())
+            event = await stream.next()
+            latency = time.monotonic() - await writer
+    assert event["documentKey"] == {"_id": "late"}
+    assert latency < 0.5
+
+
+async def test_database_and_cluster_streams_apply_the_rest_of_the_pipeline(
+    embedded_uri: str, collection_name: str
+) -> None:
+    """Database- and cluster-level streams see their scope and apply the stages after $changeStream."""
+    only_ours = [{"$match": {"ns.coll": collection_name}}]
+    async with _client(embedded_uri) as client:
+        db_stream = await client.taskrunner.watch(only_ours, max_await_time_ms=2000)
+        cluster_stream = await client.watch(only_ours, max_await_time_ms=2000)
+        await client.taskrunner[f"{collection_name}_other"].insert_one({"_id": "noise"})
+        await client.elsewhere[collection_name].insert_one({"_id": "other-db"})
+        await client.taskrunner[collection_name].insert_one({"_id": "ours"})
+        from_db = await db_stream.next()
+        from_cluster = [(await cluster_stream.next())["ns"]["db"] for _ in range(2)]
+        await db_stream.close()
+        await cluster_stream.close()
+    assert from_db["documentKey"] == {"_id": "ours"}
+    assert from_cluster == ["elsewhere", "taskrunner"]
+
+
+async def test_change_stream_batches_honour_batch_size(embedded_uri: str, collection_name: str) -> None:
+    """getMore replies hold at most batchSize events and together deliver all of them in order."""
+    recorder = _Recorder()
+    async with _client(embedded_uri, event_listeners=[recorder]) as client:
+        tasks = client.taskrunner[collection_name]
+        async with await tasks.watch(batch_size=2, max_await_time_ms=2000) as stream:
+            await tasks.insert_many([{"_id": i} for i in range(5)])
+            keys = [(await stream.next())["documentKey"]["_id"] for _ in range(5)]
+    sizes = [len(reply["cursor"]["nextBatch"]) for name, reply in recorder.replies if name == "getMore"]
+    assert keys == [0, 1, 2, 3, 4]
+    assert sizes[:3] == [2, 2, 1]
+
+
+async def test_every_cursor_reply_carries_an_int64_id(embedded_uri: str, collection_name: str) -> None:
+    """find, getMore, aggregate, listCollections, listIndexes and $changeStream reply Int64 cursor ids."""
+    recorder = _Recorder()
+    async with _client(embedded_uri, event_listeners=[recorder]) as client:
+        tasks = client.taskrunner[collection_name]
+        await tasks.insert_many([{"_id": i} for i in range(5)])
+        assert len(await tasks.find({}, batch_size=2).to_list()) == 5
+        await (await tasks.aggregate([{"$match": {}}])).to_list()
+        await client.taskrunner.list_collection_names()
+        await (await tasks.list_indexes()).to_list()
+        await (await tasks.watch()).close()
+    cursor_replies = [(name, reply["cursor"]) for name, reply in recorder.replies if "cursor" in reply]
+    assert {name for name, _ in cursor_replies} == {
+        "find",
+        "getMore",
+        "aggregate",
+        "listCollections",
+        "listIndexes",
+    }
+    assert {type(cursor["id"]) for _, cursor in cursor_replies} == {Int64}
+
+
+async def test_get_more_on_unknown_bridge_cursor_is_cursor_not_found(
+    embedded_uri: str, collection_name: str
+) -> None:
+    """A getMore naming a bridge-range cursor id nobody owns fails with CursorNotFound (43)."""
+    async with _client(embedded_uri) as client:
+        with pytest.raises(OperationFailure) as failure:
+            await client.taskrunner.command({"getMore": Int64(2**31 - 1), "collection": collection_name})
+    assert failure.value.code == 43
+    assert failure.value.details is not None
+    assert failure.value.details["codeName"] == "CursorNotFound"
+
+
+async def test_stream_resumes_transparently_after_its_cursor_is_killed(
+    embedded_uri: str, collection_name: str
+) -> None:
+    """After its bridge cursor is killed, a stream's getMore gets code 43 and PyMongo resumes losslessly."""
+    recorder = _Recorder()
+    async with (
+        _client(embedded_uri, event_listeners=[recorder]) as client,
+        _client(embedded_uri) as other,
+    ):
+        stream = await client.taskrunner[collection_name].watch(max_await_time_ms=2000)
+        opened = next(reply for name, reply in recorder.replies if name == "aggregate")
+        cursor_id = opened["cursor"]["id"]
+        killed = await other.taskrunner.command("killCursors", collection_name, cursors=[Int64(cursor_id)])
+        await other.taskrunner[collection_name].insert_one({"_id": "after-kill"})
+        event = await stream.next()
+        await stream.close()
+    assert killed["cursorsKilled"] == [cursor_id]
+    assert event["documentKey"] == {"_id": "after-kill"}
+    assert [f["code"] for name, f in recorder.failures if name == "getMore"] == [43]
+    assert recorder.commands.count("aggregate") == 2
+
+
+async def test_resume_from_pruned_history_is_history_lost() -> None:
+    """Opening a stream with a token older than the retained history fails with code 286."""
+    async with EmbeddedServer(history_size=3) as server, _client(server.uri) as client:
+        tasks = client.taskrunner.tasks
+        async with await tasks.watch(max_await_time_ms=2000) as stream:
+            await tasks.insert_one({"_id": 0})
+            token = (await stream.next())["_id"]
+        await tasks.insert_many([{"_id": i} for i in range(1, 5)])
+        with pytest.raises(OperationFailure) as failure:
+            await tasks.watch(resume_after=token)
+    assert failure.value.code == 286
+
+
+async def test_stream_that_falls_behind_the_history_is_history_lost() -> None:
+    """A getMore on a stream whose unread events were pruned fails with code 286, not silence."""
+    async with EmbeddedServer(history_size=3) as server, _client(server.uri) as client:
+        tasks = client.taskrunner.tasks
+        stream = await tasks.watch(max_await_time_ms=2000)
+        await tasks.insert_many([{"_id": i} for i in range(5)])
+        with pytest.raises(OperationFailure) as failure:
+            await stream.next()
+    assert failure.value.code == 286
+
+
+@pytest.mark.parametrize(("host", "warned"), [("127.0.0.1", False), ("0.0.0.0", True)])
+async def test_non_loopback_host_warns_on_stderr(
+    host: str, warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Listening beyond loopback prints an unauthenticated-server warning to stderr."""
+    async with EmbeddedServer(host=host):
+        pass
+    assert ("WITHOUT authentication" in capsys.readouterr().err) is warned
+
+
+def test_missing_mongoeco_imports_but_refuses_to_start() -> None:
+    """Without mongoeco the module still imports, and constructing a server raises RuntimeError."""
+    script = (
+        "import sys; sys.modules['mongoeco'] = None\n"
+        "import taskrunner.embedded as embedded\n"
+        "for build in (embedded.EmbeddedServer, embedded.ServerThread):\n"
+        "    try: build()\n"
+        "    except RuntimeError as error: print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    expected = (
+        "the embedded server needs the 'embedded' extra: pip install 'taskrunner[embedded]' (Python >= 3.13)"
+    )
+    assert result.stdout.splitlines() == [expected, expected]
+
+
+async def test_mongoeco_pin_and_private_internals_hold() -> None:
+    """mongoeco is exactly 4.11.0 and every private internal the bridge relies on still exists."""
+    from mongoeco._types.documents import encode_change_stream_token
+    from mongoeco.api import AsyncMongoClient as EcoClient
+    from mongoeco.wire import proxy
+
+    assert importlib.metadata.version("mongoeco") == "4.11.0", "mongoeco is not the pinned 4.11.0"
+    broken = [
+        f"proxy.py no longer calls {call}" for call in _PROXY_CALLS if call not in inspect.getsource(proxy)
+    ]
+    client = EcoClient(change_stream_history_size=3)
+    async with client:
+        server = proxy.AsyncMongoEcoProxyServer(client=client)
+        broken += [f"executor.{n} missing" for n in _EXECUTOR_NAMES if not hasattr(server._executor, n)]
+        stream = client.get_database("d").get_collection("c").watch(max_await_time_ms=0)
+        broken += [f"stream.{n} missing" for n in _STREAM_NAMES if not hasattr(stream, n)]
+        await client.d.c.insert_one({"_id": 1})
+        broken += [f"hub.{n} missing" for n in _HUB_NAMES if not hasattr(stream._hub, n)]
+        if not broken and stream._hub._events[-1].token != 1:
+            broken.append("hub event snapshots lost their integer .token")
+        stream.close()
+    assert not broken, "mongoeco internals used by taskrunner/embedded.py changed: " + "; ".join(broken)
+    assert encode_change_stream_token(1) == "eyJ2IjoxLCJ0IjoxfQ"
+
+
+_PROXY_CALLS = (
+    "self._executor._build_request_context(",
+    "self._executor.execute_prepared(",
+    "self._executor.error_document(",
+)
+_EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
+_STREAM_NAMES = ("_hub", "_offset", "_max_await_time_ms", "try_next", "alive", "close")
+_HUB_NAMES = ("_condition", "_events", "_base_offset", "_next_token")
+
+
+@contextmanager
+def _cli_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Runs `python -m taskrunner.embedded --port 0` and yields it with the URI it printed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taskrunner.embedded", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        uri = process.stdout.readline().strip()
+        assert uri.startswith("mongodb://127.0.0.1:"), process.stderr and process.stderr.read()
+        yield process, uri
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def test_serve_stops_cleanly_on_sigterm() -> None:
+    """The CLI server answers a ping, then exits 0 without a traceback when sent SIGTERM."""
+    with _cli_server() as (process, uri):
+        with _sync_client(uri, serverSelectionTimeoutMS=5000) as client:
+            assert client.admin.command("ping")["ok"] == 1.0
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=15)
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.timeout(600)  # the first run installs mongosh with npm
+def test_mongosh_reads_what_pymongo_wrote(tmp_path: Path) -> None:
+    """mongosh (Node driver) connects to the CLI server and reads a document and its count."""
+    mongosh = mongosh_path()
+    script = (
+        'const tasks = db.getSiblingDB("taskrunner").tasks;'
+        "print(EJSON.stringify({docs: tasks.find().toArray(), count: tasks.countDocuments({})}))"
+    )
+    with _cli_server() as (_, uri):
+        with _sync_client(uri) as client:
+            client.taskrunner.tasks.insert_one({"_id": "t1", "name": "hello", "attempts": 2})
+        env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1"}
+        result = subprocess.run(
+            [str(mongosh), uri, "--quiet", "--norc", "--eval", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "docs": [{"_id": "t1", "name": "hello", "attempts": 2}],
+        "count": 1,
+    }

@@ -1,0 +1,122 @@
+"""The services' API: TaskRunner.publish / publish_many and the sync facade (memory store)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from taskrunner import InvalidParams, InvalidTask, MemoryStore, TaskContext, TaskRunner, TaskState
+
+
+class ResizeParams(BaseModel):
+    width: int
+    height: int = 10
+
+
+@pytest.fixture
+def runner() -> TaskRunner:
+    runner = TaskRunner(store=MemoryStore())
+
+    @runner.task("resize", max_failures=5)
+    async def resize(params: ResizeParams, ctx: TaskContext) -> dict[str, Any]:
+        return {"area": params.width * params.height}
+
+    return runner
+
+
+async def test_publish_validates_params_against_the_handler_model(runner: TaskRunner) -> None:
+    """Registered names get their params validated and stored as JSON-compatible data."""
+    task = await runner.publish("resize", ResizeParams(width=3), key="img:42", priority=5)
+    assert task.created and task.params == {"width": 3, "height": 10}
+    assert task.options.max_failures == 5 and task.priority == 5
+
+
+async def test_options_accept_seconds_or_timedelta(runner: TaskRunner) -> None:
+    """Durations may be numbers of seconds or timedeltas; both are stored as seconds."""
+    task = await runner.publish(
+        "resize", {"width": 1}, ping_interval=timedelta(seconds=2), ping_timeout=7.5, retry_backoff=1
+    )
+    assert (task.options.ping_interval, task.options.ping_timeout, task.options.retry_backoff) == (2, 7.5, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"params": {"width": "wide"}}, "params.width"),
+        ({"params": {}}, "params.width"),
+        ({"params": {"width": 1}, "bogus": 1}, "options.bogus"),
+        ({"params": {"width": 1}, "concurrency": 0}, "options.concurrency"),
+        ({"params": {"width": 1}, "ping_interval": 30, "ping_timeout": 5}, "options"),
+        ({"params": {"width": 1}, "key": ""}, "key"),
+        ({"params": {"width": 1}, "key": "bad\nkey"}, "key"),
+        ({"params": {"width": 1}, "worker_ids": "w1"}, "options.worker_ids"),
+        ({"params": {"width": 1}, "retry_backoff": True}, "options.retry_backoff"),
+    ],
+)
+async def test_bad_input_names_the_field_and_writes_nothing(
+    runner: TaskRunner, kwargs: dict[str, Any], field: str
+) -> None:
+    """Every kind of bad publish input raises InvalidTask naming the field; nothing is stored."""
+    with pytest.raises(InvalidTask) as info:
+        await runner.publish("resize", **kwargs)
+    assert info.value.field == field
+    assert await runner.store.count() == 0
+
+
+async def test_invalid_params_raise_invalid_params(runner: TaskRunner) -> None:
+    """Params failing the model are InvalidParams (a subclass of InvalidTask)."""
+    with pytest.raises(InvalidParams, match=r"params\.width"):
+        await runner.publish("resize", {"width": "x"})
+
+
+async def test_unregistered_names_take_plain_json_dicts(runner: TaskRunner) -> None:
+    """A service without the handlers publishes plain dicts; non-BSON values are refused."""
+    task = await runner.publish("elsewhere", {"any": ["thing", 1]})
+    assert task.params == {"any": ["thing", 1]} and len(task.key) == 32
+    with pytest.raises(InvalidTask, match="params"):
+        await runner.publish("elsewhere", {"s": {1, 2}})
+    with pytest.raises(InvalidTask, match="params"):
+        await runner.publish("elsewhere", {"big": "x" * (16 * 1024 * 1024)})
+
+
+async def test_publish_many_validates_everything_before_writing(runner: TaskRunner) -> None:
+    """One bad item in a batch names its index and nothing of the batch is written."""
+    with pytest.raises(InvalidTask, match=r"tasks\[1\]\.params\.width"):
+        await runner.publish_many(
+            [{"name": "resize", "params": {"width": 1}}, {"name": "resize", "params": {}}]
+        )
+    with pytest.raises(InvalidTask, match=r"tasks\[1\]\.key"):
+        await runner.publish_many([{"name": "x", "key": "a"}, {"name": "x", "key": "a"}])
+    assert await runner.store.count() == 0
+    tasks = await runner.publish_many([{"name": "resize", "params": {"width": i}} for i in range(3)])
+    assert [t.params["width"] for t in tasks] == [0, 1, 2] and all(t.created for t in tasks)
+
+
+async def test_delay_is_added_to_server_time(runner: TaskRunner) -> None:
+    """delay= sets run_at to the store's now plus the delay."""
+    task = await runner.publish("resize", {"width": 1}, delay=30)
+    assert task.run_at - task.created_at == timedelta(seconds=30)
+    assert task.state is TaskState.PENDING
+
+
+def test_registering_bad_handler_options_fails_at_import_time() -> None:
+    """A handler declared with an unknown or invalid option fails when decorated."""
+    runner = TaskRunner(store=MemoryStore())
+    with pytest.raises(InvalidTask, match=r"options\.nope"):
+        runner.task("x", nope=1)(lambda params: None)
+    with pytest.raises(InvalidTask, match=r"options\.concurrency"):
+        runner.task("y", concurrency=-1)(lambda params: None)
+
+
+def test_sync_facade_has_the_same_semantics(runner: TaskRunner) -> None:
+    """SyncTaskRunner publishes idempotently and validates like the async API."""
+    with runner.sync() as sync:
+        assert sync.publish("resize", {"width": 2}, key="s").created
+        assert not sync.publish("resize", {"width": 3}, key="s").created
+        assert sync.get("s").params["width"] == 2
+        with pytest.raises(InvalidParams):
+            sync.publish("resize", {"width": "no"})
+        assert len(sync.publish_many([{"name": "resize", "params": {"width": 1}}])) == 1
