@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pymongo import MongoClient
 
 pytestmark = pytest.mark.mongo
 
@@ -63,6 +64,8 @@ def test_invalid_params_name_the_field_and_write_nothing(
     for args, field in cases:
         result = cli("publish", "resize", *args, uri=mongo_uri, collection=collection_name, cwd=tmp_path)
         assert result.returncode != 0 and field in result.stderr, (args, result.stderr)
+    with MongoClient[dict[str, object]](mongo_uri) as client:
+        assert client.taskrunner[collection_name].count_documents({}) == 0
     missing = cli("show", "anything", uri=mongo_uri, collection=collection_name)
     assert missing.returncode == 1 and "no task with key 'anything'" in missing.stderr
 

@@ -309,9 +309,9 @@ _HUB_NAMES = ("_condition", "_events", "_base_offset", "_next_token")
 
 @contextmanager
 def _cli_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Runs `python -m taskrunner.embedded --port 0` and yields it with the URI it printed."""
+    """Runs `taskrunner dev-server --port 0` and yields it with the URI it printed."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "taskrunner.embedded", "--port", "0"],
+        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -339,17 +339,21 @@ def test_serve_stops_cleanly_on_sigterm() -> None:
 
 
 @pytest.mark.timeout(600)  # the first run installs mongosh with npm
-def test_mongosh_reads_what_pymongo_wrote(tmp_path: Path) -> None:
-    """mongosh (Node driver) connects to the CLI server and reads a document and its count."""
+def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
+    """mongosh (Node driver) connects to `taskrunner dev-server` and reads a task published by the CLI."""
     mongosh = mongosh_path()
     script = (
         'const tasks = db.getSiblingDB("taskrunner").tasks;'
-        "print(EJSON.stringify({docs: tasks.find().toArray(), count: tasks.countDocuments({})}))"
+        "print(EJSON.stringify({docs: tasks.find({}, {_id: 0, key: 1, name: 1, params: 1, state: 1}).toArray(),"
+        " count: tasks.countDocuments({state: 'PENDING'})}))"
     )
     with _cli_server() as (_, uri):
-        with _sync_client(uri) as client:
-            client.taskrunner.tasks.insert_one({"_id": "t1", "name": "hello", "attempts": 2})
-        env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1"}
+        env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1", "TASKRUNNER_MONGO_URI": uri}
+        published = subprocess.run(
+            [sys.executable, "-m", "taskrunner", "publish", "resize", "--params", '{"width": 640}', "--key", "img:42"],
+            capture_output=True, text=True, timeout=60, env=env, check=False,
+        )  # fmt: skip
+        assert published.returncode == 0, published.stderr
         result = subprocess.run(
             [str(mongosh), uri, "--quiet", "--norc", "--eval", script],
             capture_output=True,
@@ -360,6 +364,6 @@ def test_mongosh_reads_what_pymongo_wrote(tmp_path: Path) -> None:
         )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {
-        "docs": [{"_id": "t1", "name": "hello", "attempts": 2}],
+        "docs": [{"key": "img:42", "name": "resize", "params": {"width": 640}, "state": "PENDING"}],
         "count": 1,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from taskrunner.store import expressions
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def doc_for(**options: object) -> dict[str, object]:
+def doc_for(**options: object) -> dict[str, Any]:
     task = NewTask.build(key="k", name="job", options=options)
     doc = {
         **rules.new_document(task, "p"),
