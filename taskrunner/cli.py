@@ -58,13 +58,11 @@ def make_runner(
     from taskrunner.loader import load_app
 
     try:
-        runner = load_app(app_ref)
+        app_runner = load_app(app_ref)
     except TaskRunnerError as exc:
         fail(str(exc))
     # The app's handlers, but the connection the command line asked for.
-    runner.mongo_uri, runner.database, runner.collection, runner.timeout = uri, database, collection, timeout
-    runner._store = None
-    return runner
+    return app_runner.copy(mongo_uri=uri, database=database, collection=collection, timeout=timeout)
 
 
 async def _closing(runner: TaskRunner, coro: Coroutine[Any, Any, T]) -> T:

@@ -119,15 +119,15 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     entries = _entries(doc)
     expired = [w for w in entries if is_expired(w, now)]
     doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
-    doc[f.ATTEMPTS] = (_num(doc.get(f.ATTEMPTS)) or 0) + 1
+    attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
     timeout = timedelta(seconds=option(doc, f.PING_TIMEOUT))
     entry = {
         f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
         f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: now + timeout,
-        f.ATTEMPT: int(doc[f.ATTEMPTS]), f.PROGRESS: None, f.RESULT: None,
+        f.ATTEMPT: attempt, f.PROGRESS: None, f.RESULT: None,
         f.ERROR: None, f.FINISHED_AT: None,
     }  # fmt: skip
-    doc[f.ATTEMPTS] = int(doc[f.ATTEMPTS])
+    doc[f.ATTEMPTS] = attempt
     doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
     summarize(doc, now)
 

@@ -146,6 +146,26 @@ class TaskRunner:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def copy(
+        self,
+        *,
+        mongo_uri: str | None = None,
+        database: str | None = None,
+        collection: str | None = None,
+        timeout: float | None = None,
+        store: Store | None = None,
+    ) -> TaskRunner:
+        """The same handlers on another connection (a fresh store unless one is given)."""
+        twin = TaskRunner(
+            mongo_uri or self.mongo_uri,
+            database=database or self.database,
+            collection=collection or self.collection,
+            store=store,
+            timeout=timeout or self.timeout,
+        )
+        twin.registry = self.registry
+        return twin
+
     def sync(self) -> SyncTaskRunner:
         """A blocking facade with the same semantics, for non-async code."""
         from taskrunner.sync import SyncTaskRunner

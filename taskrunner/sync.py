@@ -13,6 +13,7 @@ from collections.abc import Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskrunner.models import Task
+from taskrunner.store.memory import MemoryStore
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
@@ -22,15 +23,10 @@ T = TypeVar("T")
 
 class SyncTaskRunner:
     def __init__(self, runner: TaskRunner) -> None:
-        from taskrunner.runner import TaskRunner
-
-        # A twin with its own store: a store's client must stay on the loop that made it.
-        self._runner = TaskRunner(
-            runner.mongo_uri, database=runner.database, collection=runner.collection,
-            store=runner._store if runner._store is not None and _loop_free(runner) else None,
-            timeout=runner.timeout,
-        )  # fmt: skip
-        self._runner.registry = runner.registry
+        # A store's client belongs to the loop that made it, so the facade gets its own
+        # (the in-memory store has no client and is shared, keeping one set of tasks).
+        memory = runner.store if isinstance(runner._store, MemoryStore) else None
+        self._runner = runner.copy(store=memory)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="taskrunner-sync", daemon=True)
         self._thread.start()
@@ -63,10 +59,3 @@ class SyncTaskRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _loop_free(runner: TaskRunner) -> bool:
-    """Only the in-memory store may be shared across loops."""
-    from taskrunner.store.memory import MemoryStore
-
-    return isinstance(runner._store, MemoryStore)
