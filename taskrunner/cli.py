@@ -156,6 +156,8 @@ def show(
 
 def render_task(task: Task) -> None:
     summary = Table.grid(padding=(0, 2))
+    summary.add_column(no_wrap=True)
+    summary.add_column(overflow="fold")
     rows = [("key", task.key), ("name", task.name), ("state", task.state.value),
             ("priority", str(task.priority)), ("failures", f"{task.failures} of {task.options.max_failures}"),
             ("created", str(task.created_at)), ("run at", str(task.run_at)),

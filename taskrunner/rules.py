@@ -173,17 +173,22 @@ def apply_cancel(doc: Doc, now: datetime) -> None:
 
 
 def new_document(task: NewTask, publish_id: str) -> Doc:
-    """The stored form of a new task, without its server-time fields."""
+    """The stored form of a new task. The time fields are placeholders each store fills
+    with server time; they are listed here so the mongo shell shows fields in this order."""
     return {
         f.KEY: task.key,
         f.NAME: task.name,
         f.PARAMS: task.params,
         f.PRIORITY: task.priority,
+        f.CREATED_AT: None,
+        f.UPDATED_AT: None,
+        f.RUN_AT: None,
         f.OPTIONS: task.options.model_dump(),
         f.WORKERS: [],
         f.STATE: TaskState.PENDING.value,
         f.FAILURES: 0,
         f.ATTEMPTS: 0,
+        f.CLAIMABLE_AT: None,
         f.PUBLISH_ID: publish_id,
     }
 

@@ -34,7 +34,16 @@ def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> N
                     uri=mongo_uri, collection=collection_name)  # fmt: skip
     assert published.returncode == 0, published.stderr
     assert published.stdout.strip() == "img:1"
-    shown = cli("show", "img:1", "--json", uri=mongo_uri, collection=collection_name)
+    # --mongo-uri beats the environment (which points nowhere here).
+    shown = cli(
+        "show",
+        "img:1",
+        "--json",
+        "--mongo-uri",
+        mongo_uri,
+        uri="mongodb://127.0.0.1:9",
+        collection=collection_name,
+    )
     task = json.loads(shown.stdout)
     assert (task["key"], task["name"], task["params"], task["priority"], task["state"]) == (
         "img:1", "resize", {"width": 3}, 4, "PENDING")  # fmt: skip
