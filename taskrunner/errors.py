@@ -13,7 +13,8 @@
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
         ├── WriteRejected               refused, e.g. by a $jsonSchema validator
-        └── ChangeHistoryLost           a change stream cannot resume; rescan
+        ├── ChangeHistoryLost           a change stream cannot resume; rescan
+        └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
     Fail (Exception)                    raised by a handler: fail now, no local retry
 """
@@ -86,6 +87,10 @@ class WriteRejected(StoreError):
 
 class ChangeHistoryLost(StoreError):
     """The change stream cannot resume from its token: rescan the collection."""
+
+
+class ChangeStreamsUnsupported(StoreError):
+    """The server offers no change streams (a standalone mongod): fall back to polling."""
 
 
 class Fail(Exception):

@@ -23,7 +23,7 @@ from taskrunner import (
     TaskNotFound,
     TaskState,
 )
-from taskrunner.store.base import ChangeEvent, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Store
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]
@@ -286,30 +286,56 @@ async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_i
         await store.get("broken")
 
 
-async def next_events(stream: AsyncIterator[ChangeEvent], n: int) -> list[ChangeEvent]:
-    return [await asyncio.wait_for(anext(stream), 5) for _ in range(n)]
+async def next_events(stream: ChangeStream, n: int) -> list[ChangeEvent]:
+    events = []
+    for _ in range(n):
+        event = await stream.next(5)
+        assert event is not None, f"no change event within 5 s (got {len(events)} of {n})"
+        events.append(event)
+    return events
 
 
 async def test_watch_delivers_changes_and_resumes_from_a_token(store: Store) -> None:
     """Insert and update events arrive in order; resuming after a token repeats and loses nothing."""
-    stream = store.watch()
-    pending = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.2)  # the stream is open before the first write
+    stream = await store.watch()  # opened before the first write: nothing is missed
     await publish(store, task("w"))
-    first = await asyncio.wait_for(pending, 5)
+    [first] = await next_events(stream, 1)
     claim = await store.claim("w1", key="w")
     assert claim is not None
     [second] = await next_events(stream, 1)
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.close()
     await store.succeed("w", claim.run_id, 42)
     await publish(store, task("w2"))
-    resumed = store.watch(resume_after=first.token)
+    resumed = await store.watch(resume_after=first.token)
     events = await next_events(resumed, 3)
-    await resumed.aclose()  # type: ignore[attr-defined]
+    assert await resumed.next(0.3) is None
+    await resumed.close()
     assert (first.kind, first.key) == ("insert", "w")
     assert second.task is not None and second.task.state is TaskState.RUNNING
     assert [(e.kind, e.key) for e in events] == [("update", "w"), ("update", "w"), ("insert", "w2")]
     assert events[1].task is not None and events[1].task.state is TaskState.SUCCESS
+
+
+async def test_resume_token_advances_without_events(store: Store) -> None:
+    """A stream's resume token covers what it has passed over, so a resume does not replay it."""
+    stream = await store.watch()
+    await publish(store, task("seen"))
+    assert (await next_events(stream, 1))[0].key == "seen"
+    token = stream.resume_token
+    await stream.close()
+    await publish(store, task("after"))
+    resumed = await store.watch(resume_after=token)
+    assert [e.key for e in await next_events(resumed, 1)] == ["after"]
+    await resumed.close()
+
+
+async def test_malformed_documents_arrive_as_events_with_a_problem(store: Store, raw_insert: Raw) -> None:
+    """A hand-broken document yields an event without a task that names the problem."""
+    stream = await store.watch()
+    await raw_insert({"key": "broken", "name": "job", "params": "nope"})
+    [event] = await next_events(stream, 1)
+    await stream.close()
+    assert event.task is None and event.key == "broken" and event.problem and "params" in event.problem
 
 
 async def test_memory_watch_reports_lost_history() -> None:
@@ -317,7 +343,7 @@ async def test_memory_watch_reports_lost_history() -> None:
     store = MemoryStore(history=2)
     await store.publish([task("a"), task("b"), task("c"), task("d")])
     with pytest.raises(ChangeHistoryLost):
-        await anext(store.watch(resume_after={"_data": "1"}))
+        await store.watch(resume_after={"_data": "1"})
 
 
 async def test_validator_accepts_every_write_taskrunner_makes(store: Store) -> None:

@@ -8,7 +8,7 @@ token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -41,6 +41,20 @@ class ChangeEvent:
     task: Task | None
     token: Mapping[str, Any] | None
     problem: str | None = None
+
+
+class ChangeStream(Protocol):
+    """An open stream of change events. Open it before scanning, so nothing written
+    during the scan is missed (the seed's discovery order)."""
+
+    @property
+    def resume_token(self) -> Mapping[str, Any] | None:
+        """Where a new stream resumes to continue exactly after what this one returned."""
+
+    async def next(self, wait: float) -> ChangeEvent | None:
+        """The next event, or None when none arrives within ``wait`` seconds."""
+
+    async def close(self) -> None: ...
 
 
 class Store(Protocol):
@@ -89,7 +103,10 @@ class Store(Protocol):
 
     async def server_time(self) -> datetime: ...
 
-    def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
-        """Change events in commit order, resumable from an event's token."""
+    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
+        """Open a stream of change events in commit order, resumable from a token.
+
+        Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
+        ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""
 
     async def close(self) -> None: ...

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,7 +21,7 @@ from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import ChangeHistoryLost, ClaimLost, MalformedTask, TaskNotFound
 from taskrunner.models import NewTask, Task, TaskError, TaskState, to_utc
-from taskrunner.store.base import ChangeEvent, Claim, EventKind
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
 
 Doc = dict[str, Any]
 
@@ -170,22 +171,10 @@ class MemoryStore:
     async def server_time(self) -> datetime:
         return self._clock()
 
-    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
-        position = self._position_after(resume_after)
-        while True:
-            first = self._events[0][0] if self._events else self._seq + 1
-            if position + 1 < first and position < self._seq:
-                raise ChangeHistoryLost(
-                    "change history lost: the resume token is older than the kept history"
-                )
-            fresh = [e for e in self._events if e[0] > position]
-            if not fresh:
-                # No await between this check and clear(): no event can slip in between.
-                self._changed.clear()
-                await self._changed.wait()
-            for seq, kind, key, doc in fresh:
-                position = seq
-                yield self._event(seq, kind, key, doc)
+    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
+        stream = _MemoryChangeStream(self, self._position_after(resume_after))
+        stream.check_history()
+        return stream
 
     def _position_after(self, token: Mapping[str, Any] | None) -> int:
         if token is None:
@@ -226,3 +215,42 @@ class MemoryStore:
             return Task.from_document(copy.deepcopy(doc))
         except MalformedTask:
             return None
+
+
+class _MemoryChangeStream:
+    def __init__(self, store: MemoryStore, position: int) -> None:
+        self._store = store
+        self._position = position
+        self._closed = False
+
+    @property
+    def resume_token(self) -> Mapping[str, Any] | None:
+        return {"_data": str(self._position)}
+
+    def check_history(self) -> None:
+        events = self._store._events
+        first = events[0][0] if events else self._store._seq + 1
+        if self._position + 1 < first and self._position < self._store._seq:
+            raise ChangeHistoryLost("change history lost: the resume token is older than the kept history")
+
+    async def next(self, wait: float) -> ChangeEvent | None:
+        self.check_history()
+        fresh = self._fresh()
+        if fresh is None:
+            # No await between the check above and clear(): no event can slip in between.
+            self._store._changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._store._changed.wait(), wait)
+            self.check_history()
+            fresh = self._fresh()
+        if fresh is None or self._closed:
+            return None
+        seq, kind, key, doc = fresh
+        self._position = seq
+        return self._store._event(seq, kind, key, doc)
+
+    def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None] | None:
+        return next((e for e in self._store._events if e[0] > self._position), None)
+
+    async def close(self) -> None:
+        self._closed = True

@@ -7,6 +7,7 @@ exceptions are translated to ``taskrunner.errors`` here and nowhere else.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -16,12 +17,14 @@ from typing import Any
 import bson
 from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo import errors as pe
+from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
 
 from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import (
     ChangeHistoryLost,
+    ChangeStreamsUnsupported,
     ClaimLost,
     InvalidTask,
     MalformedTask,
@@ -33,7 +36,7 @@ from taskrunner.errors import (
 from taskrunner.models import NewTask, Task, TaskError, TaskState
 from taskrunner.redact import redact
 from taskrunner.store import expressions as x
-from taskrunner.store.base import ChangeEvent, Claim, EventKind
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
@@ -41,6 +44,8 @@ CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _DOCUMENT_INVALID = 121
 _DUPLICATE_KEY = 11000
+_NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
+_AWAIT_MS = 500  # one getMore waits this long for changes
 
 
 @contextmanager
@@ -56,6 +61,8 @@ def mapped_errors() -> Iterator[None]:
     except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
         raise InvalidTask("task", redact(str(exc))) from exc
     except pe.OperationFailure as exc:
+        if exc.code == _NO_CHANGE_STREAMS:
+            raise ChangeStreamsUnsupported(redact(str(exc))) from exc
         if exc.code in _HISTORY_LOST:
             raise ChangeHistoryLost(redact(str(exc))) from exc
         if exc.code == _DOCUMENT_INVALID:
@@ -265,34 +272,19 @@ class MongoStore:
         assert isinstance(now, datetime)
         return now if now.tzinfo else now.replace(tzinfo=UTC)
 
-    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> AsyncIterator[ChangeEvent]:
+    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
         pipeline = [{"$match": {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}}]
         with mapped_errors():
             stream = await self.collection.watch(
-                pipeline, full_document="updateLookup", resume_after=resume_after
+                pipeline, full_document="updateLookup", resume_after=resume_after, max_await_time_ms=_AWAIT_MS
             )
-        async with stream:
-            while True:
-                with mapped_errors():
-                    change = await stream.next()
-                yield self._event(change)
+        return _MongoChangeStream(stream)
 
     async def close(self) -> None:
         if self._owns_client:
             await self.client.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _event(self, change: Doc) -> ChangeEvent:
-        kind: EventKind = change["operationType"]
-        doc = change.get("fullDocument")
-        token = change.get("_id")
-        if doc is None:  # a delete, or the document was gone by lookup time
-            return ChangeEvent(kind, None, None, token)
-        try:
-            return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
-        except MalformedTask as exc:
-            return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
-
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
         return Task.from_document(doc, created=created)
@@ -304,3 +296,40 @@ class MongoStore:
                 yield Task.from_document(doc)
             except MalformedTask:
                 continue
+
+
+class _MongoChangeStream:
+    """A PyMongo change stream; its resume token advances with every (even empty) batch."""
+
+    def __init__(self, stream: AsyncChangeStream[Doc]) -> None:
+        self._stream = stream
+
+    @property
+    def resume_token(self) -> Mapping[str, Any] | None:
+        return self._stream.resume_token
+
+    async def next(self, wait: float) -> ChangeEvent | None:
+        deadline = time.monotonic() + wait
+        while True:
+            with mapped_errors():
+                change = await self._stream.try_next()
+            if change is not None:
+                return self._event(change)
+            if time.monotonic() >= deadline:
+                return None
+
+    async def close(self) -> None:
+        with mapped_errors():
+            await self._stream.close()
+
+    @staticmethod
+    def _event(change: Doc) -> ChangeEvent:
+        kind: EventKind = change["operationType"]
+        doc = change.get("fullDocument")
+        token = change.get("_id")
+        if doc is None:  # a delete, or the document was gone by lookup time
+            return ChangeEvent(kind, None, None, token)
+        try:
+            return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
+        except MalformedTask as exc:
+            return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
