@@ -287,7 +287,7 @@ async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_i
 
 
 async def next_events(stream: ChangeStream, n: int) -> list[ChangeEvent]:
-    events = []
+    events: list[ChangeEvent] = []
     for _ in range(n):
         event = await stream.next(5)
         assert event is not None, f"no change event within 5 s (got {len(events)} of {n})"
