@@ -7,11 +7,14 @@ Every error ends in ``fail()``: one line on stderr naming the problem, exit code
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
+import os
+import signal
 import sys
 from collections.abc import Coroutine
 from datetime import datetime
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -23,15 +26,33 @@ from taskrunner.models import Task
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
 
+if TYPE_CHECKING:
+    from taskrunner.worker import Worker
+
 T = TypeVar("T")
+
+
+class LogFormatChoice(enum.StrEnum):
+    json = "json"
+    console = "console"
+
+
 app = typer.Typer(help="Background tasks as readable MongoDB documents.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)  # fmt: skip
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-MongoUri = Annotated[str, typer.Option("--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help="MongoDB URI.")]
-Database = Annotated[str, typer.Option(envvar="TASKRUNNER_DATABASE", help="Database name.")]
-Collection = Annotated[str, typer.Option(envvar="TASKRUNNER_COLLECTION", help="Task collection name.")]
+MongoUri = Annotated[
+    str | None,
+    typer.Option("--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help=f"MongoDB URI (default {DEFAULT_URI})."),
+]
+Database = Annotated[
+    str | None, typer.Option(envvar="TASKRUNNER_DATABASE", help=f"Database (default {f.DEFAULT_DATABASE}).")
+]
+Collection = Annotated[
+    str | None,
+    typer.Option(envvar="TASKRUNNER_COLLECTION", help=f"Task collection (default {f.DEFAULT_COLLECTION})."),
+]
 Timeout = Annotated[float, typer.Option(envvar="TASKRUNNER_TIMEOUT", help="Seconds to wait for the server.")]
 AppRef = Annotated[
     str | None, typer.Option("--app", envvar="TASKRUNNER_APP", help="MODULE:OBJECT of a TaskRunner.")
@@ -51,17 +72,18 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def make_runner(
-    uri: str, database: str, collection: str, timeout: float, app_ref: str | None = None
+    uri: str | None, database: str | None, collection: str | None, timeout: float, app_ref: str | None = None
 ) -> TaskRunner:
+    """The app's runner (its handlers and connection) or a bare one; options given win."""
     if app_ref is None:
-        return TaskRunner(uri, database=database, collection=collection, timeout=timeout)
+        return TaskRunner(uri, database=database or f.DEFAULT_DATABASE,
+                          collection=collection or f.DEFAULT_COLLECTION, timeout=timeout)  # fmt: skip
     from taskrunner.loader import load_app
 
     try:
         app_runner = load_app(app_ref)
     except TaskRunnerError as exc:
         fail(str(exc))
-    # The app's handlers, but the connection the command line asked for.
     return app_runner.copy(mongo_uri=uri, database=database, collection=collection, timeout=timeout)
 
 
@@ -75,15 +97,15 @@ async def _closing(runner: TaskRunner, coro: Coroutine[Any, Any, T]) -> T:
 @app.command()
 def init(
     validator: Annotated[bool, typer.Option(help="Also install the $jsonSchema validator.")] = False,
-    mongo_uri: MongoUri = DEFAULT_URI,
-    database: Database = f.DEFAULT_DATABASE,
-    collection: Collection = f.DEFAULT_COLLECTION,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
     timeout: Timeout = 5.0,
 ) -> None:
     """Create the task collection's indexes (idempotent)."""
     runner = make_runner(mongo_uri, database, collection, timeout)
     run(_closing(runner, runner.init(validator=validator)))
-    out.print(f"initialised {database}.{collection}: indexes {', '.join(f.INDEXES)}"
+    out.print(f"initialised {runner.database}.{runner.collection}: indexes {', '.join(f.INDEXES)}"
               + (" and validator" if validator else ""))  # fmt: skip
 
 
@@ -116,9 +138,9 @@ def publish(
     update_pending: Annotated[bool, typer.Option(help="Update a task no worker has started.")] = False,
     republish_finished: Annotated[bool, typer.Option(help="Start a finished key afresh.")] = False,
     app_ref: AppRef = None,
-    mongo_uri: MongoUri = DEFAULT_URI,
-    database: Database = f.DEFAULT_DATABASE,
-    collection: Collection = f.DEFAULT_COLLECTION,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
     timeout: Timeout = 5.0,
 ) -> None:
     """Publish a task and print its key."""
@@ -140,9 +162,9 @@ def publish(
 def show(
     key: Annotated[str, typer.Argument(help="Task key.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the task as JSON.")] = False,
-    mongo_uri: MongoUri = DEFAULT_URI,
-    database: Database = f.DEFAULT_DATABASE,
-    collection: Collection = f.DEFAULT_COLLECTION,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
     timeout: Timeout = 5.0,
 ) -> None:
     """Show one task: summary, options and every worker entry."""
@@ -179,6 +201,73 @@ def _entries_table(task: Task) -> Table:
         table.add_row(w.worker_id, w.run_id[:8], w.state.value, str(w.attempt), str(w.claimed_at),
                       str(w.expires_at), str(w.finished_at or "-"), outcome)  # fmt: skip
     return table
+
+
+@app.command()
+def worker(
+    app_ref: Annotated[
+        str, typer.Option("--app", envvar="TASKRUNNER_APP", help="MODULE:OBJECT of a TaskRunner.")
+    ],
+    concurrency: Annotated[
+        int, typer.Option(envvar="TASKRUNNER_CONCURRENCY", help="Handlers in flight.")
+    ] = 10,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TASKRUNNER_WORKER_ID", help="Worker id (default: host-pid-random, fresh per start)."
+        ),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(envvar="TASKRUNNER_SHUTDOWN_TIMEOUT", help="Seconds handlers may finish after SIGTERM."),
+    ] = 0.5,
+    poll_interval: Annotated[
+        float,
+        typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
+    ] = 5.0,
+    log_format: Annotated[
+        LogFormatChoice, typer.Option(envvar="TASKRUNNER_LOG_FORMAT")
+    ] = LogFormatChoice.console,
+    log_level: Annotated[
+        str, typer.Option(envvar="TASKRUNNER_LOG_LEVEL", help="debug|info|warning|error.")
+    ] = "info",
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 10.0,
+) -> None:
+    """Run tasks: claim, heartbeat and finish them until SIGTERM/SIGINT (twice: exit at once)."""
+    from taskrunner.logs import configure_logging
+    from taskrunner.worker import Worker
+
+    try:
+        configure_logging(log_format.value, log_level)
+    except ValueError as exc:
+        fail(str(exc))
+    runner = make_runner(mongo_uri, database, collection, timeout, app_ref)
+    try:
+        process = Worker(runner, concurrency=concurrency, worker_id=worker_id,
+                         shutdown_timeout=shutdown_timeout, poll_interval=poll_interval)  # fmt: skip
+    except TaskRunnerError as exc:
+        fail(str(exc))
+    run(_closing(runner, _run_until_signalled(process)))
+
+
+async def _run_until_signalled(process: Worker) -> None:
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            err.print("second signal: exiting at once; leases expire and other workers take over")
+            os._exit(1)
+        process.stop()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal)
+    await process.run()
 
 
 @app.command("dev-server")

@@ -22,6 +22,8 @@ class Registration:
     handler: Handler
     params_model: type[BaseModel] | None
     options: dict[str, Any] = field(default_factory=dict)
+    wants_context: bool = True
+    is_async: bool = True
 
     def validate(self, params: Any) -> dict[str, Any]:
         """Params as a JSON-compatible dict, checked against the handler's model."""
@@ -67,7 +69,11 @@ class Registry:
         if name in self._by_name:
             raise ValueError(f"a handler is already registered for task name {name!r}")
         NewTask.build(key="-", name=name, options=options)  # fail at import time, not at publish
-        registration = Registration(name, handler, params_model_of(handler), options)
+        arity = len(inspect.signature(handler).parameters)
+        registration = Registration(
+            name, handler, params_model_of(handler), options,
+            wants_context=arity >= 2, is_async=inspect.iscoroutinefunction(handler),
+        )  # fmt: skip
         self._by_name[name] = registration
         return registration
 

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from taskrunner import fields as f
-from taskrunner.models import EntryState, NewTask, TaskState
+from taskrunner.models import EntryState, NewTask, Task, TaskState
 
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
@@ -214,3 +214,21 @@ def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
 def start_time(task: NewTask, now: datetime) -> datetime:
     """``run_at``, or server ``now`` plus ``delay``."""
     return task.run_at or now + timedelta(seconds=task.delay or 0)
+
+
+def next_claim(task: Task, worker_id: str) -> datetime | None:
+    """When ``worker_id`` may next claim ``task`` (server time), or None if it never may.
+
+    ``claimable_at`` is the server's answer for a new claimer; this adds what only
+    applies to this worker. The server re-checks everything when the claim is made.
+    """
+    opts = task.options
+    if task.claimable_at is None or task.failures >= opts.max_failures:
+        return None
+    if opts.worker_ids and worker_id not in opts.worker_ids:
+        return None
+    mine = [w for w in task.workers if w.worker_id == worker_id]
+    if any(w.state is EntryState.SUCCESS for w in mine):
+        return None  # mscheduler gap 6: never run the same task twice on one worker
+    running = [w.expires_at for w in mine if w.state is EntryState.RUNNING]
+    return max([task.claimable_at, *running])

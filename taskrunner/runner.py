@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -165,6 +166,31 @@ class TaskRunner:
         )
         twin.registry = self.registry
         return twin
+
+    async def run_worker(
+        self,
+        *,
+        concurrency: int = 10,
+        worker_id: str | None = None,
+        shutdown_timeout: float = 0.5,
+        poll_interval: float = 5.0,
+    ) -> None:
+        """Run a worker for this runner's handlers until it is cancelled or stopped.
+
+        Cancellation (or ``Worker.stop()``) shuts down gracefully: running handlers get
+        ``shutdown_timeout`` seconds, then are cancelled and their claims released.
+        """
+        from taskrunner.worker import Worker
+
+        worker = Worker(self, concurrency=concurrency, worker_id=worker_id,
+                        shutdown_timeout=shutdown_timeout, poll_interval=poll_interval)  # fmt: skip
+        runner = asyncio.create_task(worker.run())
+        try:
+            await asyncio.shield(runner)
+        except asyncio.CancelledError:
+            worker.stop()
+            await runner
+            raise
 
     def sync(self) -> SyncTaskRunner:
         """A blocking facade with the same semantics, for non-async code."""

@@ -1,0 +1,232 @@
+"""One claimed run: call the handler, keep its lease alive, write its outcome once.
+
+Every write carries the run's ``run_id``. A ping that matches nothing means the
+claim is lost: the handler is cancelled and nothing more is written for this run.
+A run that cannot confirm its lease for ``ping_timeout`` (server unreachable)
+cancels its handler itself (self-fencing), since another worker may own it by now.
+The outcome write is shielded from cancellation (procrastinate's worker does the
+same), and a run stopped for shutdown releases its claim without spending budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import traceback
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import bson
+import structlog
+from pydantic import BaseModel
+
+from taskrunner.context import TaskContext
+from taskrunner.errors import ClaimLost, Fail, InvalidParams, StoreError, TaskRunnerError, UnknownHandler
+from taskrunner.models import TaskError, TaskState
+from taskrunner.redact import redact
+from taskrunner.registry import Registration, Registry
+from taskrunner.store.base import Claim, Store
+
+MAX_RESULT_BYTES = 8 * 1024 * 1024
+
+
+class Stop(enum.Enum):
+    """Why a run ended without its own outcome."""
+
+    LOST = "claim lost"  # someone else owns it: write nothing
+    UNCONFIRMED = "lease unconfirmed for ping_timeout"  # self-fenced: write nothing
+    NOT_ALLOWED = "worker no longer in worker_ids"  # release
+    CANCELED = "task canceled"  # release
+    SHUTDOWN = "worker shutting down"  # release
+
+
+RELEASING = (Stop.NOT_ALLOWED, Stop.CANCELED, Stop.SHUTDOWN)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: Any = None
+    error: TaskError | None = None
+
+
+class UnstorableResult(TaskRunnerError):
+    """The handler returned something MongoDB cannot store."""
+
+
+def storable(result: Any) -> Any:
+    """The result as BSON-compatible data; pydantic models are dumped to JSON types."""
+    if isinstance(result, BaseModel):
+        result = result.model_dump(mode="json")
+    try:
+        size = len(bson.encode({"result": result}))
+    except (bson.errors.InvalidDocument, OverflowError, TypeError) as exc:
+        raise UnstorableResult(f"the handler's result cannot be stored as BSON: {exc}") from None
+    if size > MAX_RESULT_BYTES:
+        raise UnstorableResult(f"the handler's result is {size} bytes; at most {MAX_RESULT_BYTES} are stored")
+    return result
+
+
+def error_of(exc: BaseException) -> TaskError:
+    tb = "".join(traceback.format_exception(exc))
+    return TaskError(type=type(exc).__qualname__, message=redact(str(exc)), traceback=redact(tb))
+
+
+class Execution:
+    """Runs one claim to its end; ``stop()`` ends it early for the given reason."""
+
+    def __init__(
+        self,
+        claim: Claim,
+        *,
+        store: Store,
+        registry: Registry,
+        worker_id: str,
+        executor: Executor | None = None,
+    ) -> None:
+        self.claim, self.store, self.registry = claim, store, registry
+        self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
+        self.key = claim.task.key
+        self.log = structlog.get_logger("taskrunner.run").bind(
+            key=self.key, run_id=self.run_id, name=self.task.name, worker_id=worker_id
+        )
+        self.stopped: Stop | None = None
+        self.ctx: TaskContext | None = None
+        self._handler: asyncio.Task[Outcome] | None = None
+
+    def stop(self, reason: Stop) -> None:
+        if self.stopped is None:
+            self.stopped = reason
+        if self.ctx is not None:
+            self.ctx.cancelled = True
+        if self._handler is not None:
+            self._handler.cancel()
+
+    async def run(self) -> None:
+        self.log.info("run started", attempt=self.claim.entry.attempt)
+        try:
+            registration, params = self._prepare()
+        except (UnknownHandler, InvalidParams) as exc:
+            await self._write(Outcome(error=error_of(exc)))
+            return
+        self.ctx = TaskContext(self.key, self.run_id, self.claim.entry.attempt, self.worker_id, params)
+        self._handler = asyncio.create_task(
+            self._attempts(registration, self.ctx), name=f"handler:{self.key}"
+        )
+        heartbeat = asyncio.create_task(self._heartbeat(), name=f"heartbeat:{self.key}")
+        try:
+            await asyncio.wait([self._handler])
+        except asyncio.CancelledError:
+            self.stop(Stop.SHUTDOWN)
+            await asyncio.shield(self._conclude(heartbeat))
+            raise
+        await self._conclude(heartbeat)
+
+    def _prepare(self) -> tuple[Registration, Any]:
+        registration = self.registry.get(self.task.name)
+        return registration, registration.parse(self.task.params)
+
+    async def _conclude(self, heartbeat: asyncio.Task[None]) -> None:
+        assert self._handler is not None
+        with_outcome = not self._handler.cancelled() and self.stopped is None
+        outcome = self._handler.result() if with_outcome else None
+        heartbeat.cancel()
+        if outcome is not None:
+            await self._write(outcome)
+        elif self.stopped in RELEASING:
+            await self._release()
+        else:
+            self.log.warning(
+                "run abandoned: another worker may own it", reason=self.stopped and self.stopped.value
+            )
+
+    # -- handler ----------------------------------------------------------------------------
+    async def _attempts(self, registration: Registration, ctx: TaskContext) -> Outcome:
+        retries, backoff = self.task.options.local_retries, self.task.options.retry_backoff
+        for attempt in range(retries + 1):
+            try:
+                return Outcome(result=storable(await self._call(registration, ctx)))
+            except asyncio.CancelledError:
+                raise
+            except (Fail, UnstorableResult) as exc:
+                return Outcome(error=error_of(exc))
+            except BaseException as exc:  # KeyboardInterrupt/SystemExit in a handler are its failures
+                if attempt == retries:
+                    return Outcome(error=error_of(exc))
+                self.log.warning("handler raised; retrying locally", error=repr(exc), retry=attempt + 1)
+                await asyncio.sleep(backoff)
+        raise AssertionError("unreachable")
+
+    async def _call(self, registration: Registration, ctx: TaskContext) -> Any:
+        args = (ctx.params, ctx) if registration.wants_context else (ctx.params,)
+        if registration.is_async:
+            return await registration.handler(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: registration.handler(*args))
+
+    # -- lease --------------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        options = self.task.options
+        confirmed = time.monotonic()  # conservative: before the claim's reply
+        interval = options.ping_interval
+        while True:
+            await asyncio.sleep(max(0.0, min(interval, confirmed + options.ping_timeout - time.monotonic())))
+            if time.monotonic() - confirmed >= options.ping_timeout:
+                return self._end(Stop.UNCONFIRMED)
+            sent = time.monotonic()
+            try:
+                task = await self.store.ping(self.key, self.run_id)
+            except ClaimLost:
+                return self._end(Stop.LOST)
+            except StoreError as exc:
+                self.log.warning("ping failed; retrying", error=redact(str(exc)))
+                interval = min(options.ping_interval, 1.0)
+                continue
+            confirmed, options, interval = sent, task.options, task.options.ping_interval
+            self.log.debug("pinged")
+            if task.state is TaskState.CANCELED:
+                return self._end(Stop.CANCELED)
+            if options.worker_ids and self.worker_id not in options.worker_ids:
+                return self._end(Stop.NOT_ALLOWED)
+
+    def _end(self, reason: Stop) -> None:
+        self.log.warning("stopping run", reason=reason.value)
+        self.stop(reason)
+
+    # -- writes --------------------------------------------------------------------------------
+    async def _write(self, outcome: Outcome) -> None:
+        async def write() -> None:
+            if outcome.error is None:
+                await self.store.succeed(self.key, self.run_id, outcome.result)
+                self.log.info("run succeeded")
+            else:
+                await self.store.fail(self.key, self.run_id, outcome.error)
+                self.log.warning("run failed", error_type=outcome.error.type, error=outcome.error.message)
+
+        await self._persist(write)
+
+    async def _release(self) -> None:
+        async def release() -> None:
+            await self.store.release(self.key, self.run_id)
+            self.log.info("claim released", reason=self.stopped and self.stopped.value)
+
+        await self._persist(release)
+
+    async def _persist(self, write: Any) -> None:
+        """Retry a final write until it lands, the claim is lost, or the lease must be gone."""
+        deadline = time.monotonic() + self.task.options.ping_timeout
+        delay = 0.1
+        while True:
+            try:
+                await asyncio.shield(write())
+                return
+            except ClaimLost:
+                self.log.warning("claim lost before the outcome was written; nothing written")
+                return
+            except StoreError as exc:
+                if time.monotonic() + delay > deadline:
+                    self.log.error("could not write the run's outcome", error=redact(str(exc)))
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)

@@ -1,0 +1,82 @@
+"""The claim-time queue: when each known task next becomes claimable for this worker.
+
+A heap ordered by (time, preference) with one live entry per key: re-scheduling a
+key replaces its entry (older heap items are skipped when they surface). Keys
+whose time comes while the worker is busy stay until claimed or re-scheduled;
+when the queue overflows it evicts the farthest and asks discovery to rescan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from dataclasses import dataclass
+
+Rank = tuple[int, int, float]
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Due:
+    at: float
+    """Server-clock POSIX time the key becomes claimable."""
+    rank: Rank
+    """(0 if the task names this worker else 1, -priority, created_at): lower first."""
+    key: str
+
+
+class ClaimQueue:
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self.overflowed = False
+        self.changed = asyncio.Event()
+        self._live: dict[str, Due] = {}
+        self._heap: list[Due] = []
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
+    def at(self, key: str) -> float | None:
+        entry = self._live.get(key)
+        return entry.at if entry else None
+
+    def put(self, key: str, at: float, rank: Rank) -> None:
+        entry = Due(at, rank, key)
+        if self._live.get(key) == entry:
+            return
+        self._live[key] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._live) > self.capacity:
+            self._evict()
+        elif len(self._heap) > 2 * len(self._live) + 64:
+            self._rebuild()
+        self.changed.set()
+
+    def discard(self, key: str) -> None:
+        if self._live.pop(key, None) is not None:
+            self.changed.set()
+
+    def next_at(self) -> float | None:
+        self._skip_stale()
+        return self._heap[0].at if self._heap else None
+
+    def due(self, now: float) -> list[Due]:
+        """Every entry due at ``now``, best first (entries stay until discarded)."""
+        return sorted((e for e in self._live.values() if e.at <= now), key=lambda e: (e.rank, e.at))
+
+    def _skip_stale(self) -> None:
+        while self._heap and self._live.get(self._heap[0].key) != self._heap[0]:
+            heapq.heappop(self._heap)
+
+    def _rebuild(self) -> None:
+        self._heap = list(self._live.values())
+        heapq.heapify(self._heap)
+
+    def _evict(self) -> None:
+        # Evict in bulk (down to 90 %) so a long scan past capacity stays O(n log n).
+        keep = heapq.nsmallest(int(self.capacity * 0.9), self._live.values())
+        self._live = {e.key: e for e in keep}
+        self._rebuild()
+        self.overflowed = True

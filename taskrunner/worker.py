@@ -1,0 +1,233 @@
+"""The worker: a stop event, a semaphore of slots, and named side tasks under a monitor.
+
+Side tasks: ``discovery`` (change stream + scans feeding the claim queue),
+``claimer`` (waits for a free slot and a due task, then claims atomically) and
+``clock`` (keeps the estimate of the server's clock, so scheduling never trusts
+this machine's clock). A side task that crashes is logged and restarted; nothing
+a document or a handler does stops the worker. On stop, claiming ends, running
+handlers get ``shutdown_timeout`` seconds, then are cancelled and their claims
+released so another worker takes over at once, without spending failure budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from taskrunner import rules
+from taskrunner.discovery import Discovery
+from taskrunner.errors import ConfigurationError, StoreError
+from taskrunner.execution import Execution
+from taskrunner.models import Task
+from taskrunner.redact import redact
+from taskrunner.schedule import ClaimQueue, Due, Rank
+from taskrunner.store.base import Claim, Store
+
+if TYPE_CHECKING:
+    from taskrunner.runner import TaskRunner
+
+MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before it is dropped
+
+
+def default_worker_id() -> str:
+    """Fresh per process start, so a restarted worker is never mistaken for its old self."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class ServerClock:
+    """This machine's estimate of the server's clock (offset measured with ``hello``)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    async def sync(self, store: Store) -> None:
+        before = time.time()
+        server = (await store.server_time()).timestamp()
+        after = time.time()
+        self.offset = server - (before + after) / 2
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+
+class Worker:
+    def __init__(
+        self,
+        runner: TaskRunner,
+        *,
+        concurrency: int = 10,
+        worker_id: str | None = None,
+        shutdown_timeout: float = 0.5,
+        poll_interval: float = 5.0,
+        queue_capacity: int = 10_000,
+    ) -> None:
+        if concurrency < 1:
+            raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
+        self.runner, self.store, self.registry = runner, runner.store, runner.registry
+        self.worker_id = worker_id or default_worker_id()
+        self.concurrency, self.shutdown_timeout = concurrency, shutdown_timeout
+        self.names = frozenset(runner.registry.names())
+        self.queue = ClaimQueue(queue_capacity)
+        self.discovery = Discovery(self.store, self.queue, self.claim_time, poll_interval=poll_interval)
+        self.clock = ServerClock()
+        self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
+        self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
+        self._stop = asyncio.Event()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._misses: dict[str, int] = {}
+        self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix="taskrunner-handler")
+
+    def stop(self) -> None:
+        """Stop claiming and shut down gracefully (safe to call from a signal handler)."""
+        self._stop.set()
+        self.queue.changed.set()
+
+    def claim_time(self, task: Task) -> tuple[float, Rank] | None:
+        """When this worker may next claim ``task``, with its preference rank."""
+        if task.name not in self.names:
+            return None
+        at = rules.next_claim(task, self.worker_id)
+        if at is None:
+            return None
+        mine = 0 if self.worker_id in task.options.worker_ids else 1
+        return at.timestamp(), (mine, -task.priority, task.created_at.timestamp())
+
+    async def run(self) -> None:
+        if not self.names:
+            raise ConfigurationError("the app registers no handlers: nothing to run")
+        self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
+        side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
+                "clock": self._clock_loop}  # fmt: skip
+        tasks = {
+            name: asyncio.create_task(self._supervise(name, make), name=name) for name, make in side.items()
+        }
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await self._shutdown()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self.log.info("worker stopped")
+
+    async def _supervise(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """The monitor: a side task that dies is logged and restarted after a pause."""
+        while not self._stop.is_set():
+            try:
+                await make()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("side task crashed; restarting", side_task=name)
+                await asyncio.sleep(1.0)
+
+    # -- claiming ------------------------------------------------------------------------------
+    async def _claim_loop(self) -> None:
+        await self._sync_clock()
+        while not self._stop.is_set():
+            await self._slots.acquire()
+            claim = None
+            try:
+                due = await self._wait_due()
+                if due:
+                    claim = await self._claim(due)
+            finally:
+                if claim is None:
+                    self._slots.release()
+            if claim is not None:
+                self._start(claim)
+
+    async def _wait_due(self) -> list[Due]:
+        while not self._stop.is_set():
+            self.queue.changed.clear()
+            now = self.clock.now()
+            due = self.queue.due(now)
+            if due:
+                return due
+            next_at = self.queue.next_at()
+            wait = None if next_at is None else max(0.0, next_at - now)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.queue.changed.wait(), wait)
+        return []
+
+    async def _claim(self, due: list[Due]) -> Claim | None:
+        # The server picks the best eligible task, so a burst of events does not make
+        # every worker race for the one that was announced; a task naming this worker
+        # (worker_ids) is claimed by key first (seed order).
+        key = due[0].key if due[0].rank[0] == 0 else None
+        try:
+            claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
+        except StoreError as exc:
+            self.log.warning("claim failed", error=redact(str(exc)))
+            await asyncio.sleep(random.uniform(0.5, 1.5))
+            return None
+        if claim is None:
+            self._missed(due)
+            return None
+        self.queue.discard(claim.task.key)
+        self._misses.pop(claim.task.key, None)
+        return claim
+
+    def _missed(self, due: list[Due]) -> None:
+        """Nothing was claimable: retry these keys later; events usually correct them first."""
+        for entry in due if due[0].rank[0] == 1 else due[:1]:
+            misses = self._misses.get(entry.key, 0) + 1
+            if misses > MAX_MISSES:
+                self._misses.pop(entry.key, None)
+                self.queue.discard(entry.key)
+            else:
+                self._misses[entry.key] = misses
+                self.queue.put(entry.key, self.clock.now() + min(0.05 * 2**misses, 5.0), entry.rank)
+
+    def _start(self, claim: Claim) -> None:
+        execution = Execution(
+            claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor
+        )
+        task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
+        self.runs[claim.run_id] = (execution, task)
+        task.add_done_callback(lambda t: self._finished(claim.run_id, t))
+        self.log.info("claimed", key=claim.task.key, run_id=claim.run_id, taken_over=claim.task.failures > 0)
+
+    def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
+        self.runs.pop(run_id, None)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("run crashed", run_id=run_id, error=repr(task.exception()))
+
+    # -- clock and shutdown ------------------------------------------------------------------
+    async def _sync_clock(self) -> None:
+        delay = 0.2
+        while not self._stop.is_set():
+            try:
+                await self.clock.sync(self.store)
+                return
+            except StoreError as exc:
+                self.log.warning("cannot read the server's clock; retrying", error=redact(str(exc)))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _clock_loop(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(60)
+            with suppress(StoreError):
+                await self.clock.sync(self.store)
+
+    async def _shutdown(self) -> None:
+        running = [task for _, task in self.runs.values()]
+        if running:
+            self.log.info("waiting for running tasks", count=len(running), grace=self.shutdown_timeout)
+            _, pending = await asyncio.wait(running, timeout=self.shutdown_timeout)
+            for task in pending:
+                task.cancel()  # each run then releases its claim
+            await asyncio.gather(*pending, return_exceptions=True)
