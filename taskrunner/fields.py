@@ -71,6 +71,17 @@ ERROR_MESSAGE: Final = "message"
 ERROR_TRACEBACK: Final = "traceback"
 
 
+# -- worker registry (collection "<tasks collection>.workers") --------------------------------
+REGISTRY_SUFFIX: Final = "workers"
+HOST: Final = "host"
+PID: Final = "pid"
+STARTED_AT: Final = "started_at"
+BEAT_AT: Final = "beat_at"
+NAMES: Final = "names"
+RUNNING: Final = "running"
+VERSION: Final = "version"
+
+
 def opt(name: str) -> str:
     """Dotted path of an option, e.g. ``options.concurrency``."""
     return f"{OPTIONS}.{name}"
@@ -90,4 +101,9 @@ INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "key_unique": ([(KEY, 1)], {"unique": True}),
     "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
     "name_state": ([(NAME, 1), (STATE, 1)], {}),
+}
+
+# The registry: live workers, expired by MongoDB's TTL monitor once they stop beating.
+REGISTRY_INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
+    "expires_ttl": ([(EXPIRES_AT, 1)], {"expireAfterSeconds": 0}),
 }

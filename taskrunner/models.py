@@ -250,3 +250,21 @@ class Task(BaseModel):
     @property
     def successes(self) -> int:
         return sum(w.state is EntryState.SUCCESS for w in self.workers)
+
+
+class WorkerInfo(BaseModel):
+    """A live worker as it registers itself (the registry collection)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    worker_id: str = Field(alias="_id")
+    host: str
+    pid: int
+    started_at: UtcDatetime
+    names: list[str]
+    concurrency: int
+    running: list[str] = Field(default_factory=list)
+    """Keys of the tasks it runs now."""
+    version: str = ""
+    beat_at: UtcDatetime | None = None
+    expires_at: UtcDatetime | None = None

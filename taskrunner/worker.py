@@ -12,6 +12,7 @@ released so another worker takes over at once, without spending failure budget.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 import secrets
@@ -20,15 +21,16 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from taskrunner import rules
+from taskrunner import __version__, rules
 from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, StoreError
 from taskrunner.execution import Execution
-from taskrunner.models import Task
+from taskrunner.models import Task, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.schedule import ClaimQueue, Due, Rank
 from taskrunner.store.base import Claim, Store
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
 
 MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before it is dropped
+CLAIM_STEP = 0.05  # seconds each rendezvous rank waits before claiming a newly due task
+MAX_RANK_DELAY = 8 * CLAIM_STEP
 
 
 def default_worker_id() -> str:
@@ -70,6 +74,7 @@ class Worker:
         shutdown_timeout: float = 0.5,
         poll_interval: float = 5.0,
         queue_capacity: int = 10_000,
+        beat_interval: float = 2.0,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
@@ -80,6 +85,9 @@ class Worker:
         self.queue = ClaimQueue(queue_capacity)
         self.discovery = Discovery(self.store, self.queue, self.claim_time, poll_interval=poll_interval)
         self.clock = ServerClock()
+        self.beat_interval = beat_interval
+        self.started_at = datetime.now(UTC)
+        self.peers: list[WorkerInfo] = []
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
         self._stop = asyncio.Event()
@@ -100,14 +108,28 @@ class Worker:
         if at is None:
             return None
         mine = 0 if self.worker_id in task.options.worker_ids else 1
-        return at.timestamp(), (mine, -task.priority, task.created_at.timestamp())
+        delay = 0.0 if mine == 0 else min(self.rank(task) * CLAIM_STEP, MAX_RANK_DELAY)
+        return at.timestamp() + delay, (mine, -task.priority, task.created_at.timestamp())
+
+    def rank(self, task: Task) -> int:
+        """This worker's place among the live peers that could claim ``task`` now.
+
+        Every worker computes the same rendezvous-hash order for a key, so when an
+        event makes a task due, rank 0 claims at once and rank r only after r steps;
+        by then the winner's claim event has usually arrived and the task is no longer
+        due. This keeps claim attempts near one per task without a coordinator.
+        """
+        free = {p.worker_id for p in self.peers if task.name in p.names and len(p.running) < p.concurrency}
+        candidates = free | {self.worker_id}
+        order = sorted(candidates, key=lambda w: hashlib.blake2b(f"{task.key}\0{w}".encode(), digest_size=8).digest())
+        return order.index(self.worker_id)
 
     async def run(self) -> None:
         if not self.names:
             raise ConfigurationError("the app registers no handlers: nothing to run")
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
         side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
-                "clock": self._clock_loop}  # fmt: skip
+                "clock": self._clock_loop, "registry": self._registry_loop}  # fmt: skip
         tasks = {
             name: asyncio.create_task(self._supervise(name, make), name=name) for name, make in side.items()
         }
@@ -118,6 +140,8 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             await self._shutdown()
+            with suppress(StoreError):
+                await self.store.unregister(self.worker_id)
             self._executor.shutdown(wait=False, cancel_futures=True)
             self.log.info("worker stopped")
 
@@ -222,6 +246,22 @@ class Worker:
             await asyncio.sleep(60)
             with suppress(StoreError):
                 await self.clock.sync(self.store)
+
+    def info(self) -> WorkerInfo:
+        running = sorted(execution.key for execution, _ in self.runs.values())
+        return WorkerInfo(worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
+                          started_at=self.started_at, names=sorted(self.names), concurrency=self.concurrency,
+                          running=running, version=__version__)  # fmt: skip
+
+    async def _registry_loop(self) -> None:
+        """Heartbeat into the registry and learn the live peers (for claim ranks)."""
+        while not self._stop.is_set():
+            try:
+                await self.store.beat(self.info(), ttl=5 * self.beat_interval)
+                self.peers = [p for p in await self.store.workers() if p.worker_id != self.worker_id]
+            except StoreError as exc:
+                self.log.warning("registry heartbeat failed", error=redact(str(exc)))
+            await asyncio.sleep(self.beat_interval)
 
     async def _shutdown(self) -> None:
         running = [task for _, task in self.runs.values()]

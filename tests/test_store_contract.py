@@ -23,6 +23,7 @@ from taskrunner import (
     TaskNotFound,
     TaskState,
 )
+from taskrunner.models import WorkerInfo
 from taskrunner.store.base import ChangeEvent, ChangeStream, Store
 
 pytestmark = pytest.mark.mongo
@@ -363,3 +364,20 @@ async def test_validator_accepts_every_write_taskrunner_makes(store: Store) -> N
     assert (await store.succeed("v", third.run_id, {"r": 1})).state is TaskState.PENDING  # 1 of 2 successes
     with pytest.raises(WriteError, match=r"[Vv]alidation"):
         await store.collection.insert_one({"key": "broken"})
+
+
+async def test_registry_lists_live_workers_until_they_expire(store: Store) -> None:
+    """A worker's beat registers it for ttl seconds of server time; unregister removes it at once."""
+    info = WorkerInfo(
+        worker_id="w1", host="h", pid=1, started_at=datetime.now(UTC), names=["job"], concurrency=2
+    )
+    await store.beat(info, ttl=0.6)
+    [live] = await store.workers()
+    assert (live.worker_id, live.names, live.concurrency) == ("w1", ["job"], 2)
+    assert live.beat_at is not None and live.expires_at is not None and live.expires_at > live.beat_at
+    await asyncio.sleep(0.9)
+    assert await store.workers() == []
+    await store.beat(info.model_copy(update={"running": ["k"]}), ttl=30)
+    assert [w.running for w in await store.workers()] == [["k"]]
+    await store.unregister("w1")
+    assert await store.workers() == []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerEntry
+from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerEntry, WorkerInfo
 
 EventKind = Literal["insert", "update", "replace", "delete"]
 
@@ -102,6 +102,14 @@ class Store(Protocol):
         """Mark the task CANCELED unless it already finished."""
 
     async def server_time(self) -> datetime: ...
+
+    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
+        """Register or refresh a worker; it counts as live for ``ttl`` seconds (server time)."""
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Workers whose registration has not expired."""
+
+    async def unregister(self, worker_id: str) -> None: ...
 
     async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
         """Open a stream of change events in commit order, resumable from a token.

@@ -12,7 +12,7 @@ import copy
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
@@ -20,7 +20,7 @@ from bson import ObjectId
 from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import ChangeHistoryLost, ClaimLost, MalformedTask, TaskNotFound
-from taskrunner.models import NewTask, Task, TaskError, TaskState, to_utc
+from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerInfo, to_utc
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
 
 Doc = dict[str, Any]
@@ -42,6 +42,7 @@ class MemoryStore:
         self._seq = 0
         self._history = history
         self._changed = asyncio.Event()
+        self._registry: dict[str, WorkerInfo] = {}
 
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
@@ -170,6 +171,20 @@ class MemoryStore:
 
     async def server_time(self) -> datetime:
         return self._clock()
+
+    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
+        now = self._clock()
+        self._registry[worker.worker_id] = worker.model_copy(
+            update={f.BEAT_AT: now, f.EXPIRES_AT: now + timedelta(seconds=ttl)}
+        )
+
+    async def workers(self) -> list[WorkerInfo]:
+        now = self._clock()
+        live = [w for w in self._registry.values() if w.expires_at is not None and w.expires_at > now]
+        return sorted(live, key=lambda w: w.worker_id)
+
+    async def unregister(self, worker_id: str) -> None:
+        self._registry.pop(worker_id, None)
 
     async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
         stream = _MemoryChangeStream(self, self._position_after(resume_after))

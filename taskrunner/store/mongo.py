@@ -33,7 +33,7 @@ from taskrunner.errors import (
     TaskNotFound,
     WriteRejected,
 )
-from taskrunner.models import NewTask, Task, TaskError, TaskState
+from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.store import expressions as x
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
@@ -80,6 +80,7 @@ class MongoStore:
     ) -> None:
         self.client = client
         self.collection: AsyncCollection[Doc] = client[database][collection]
+        self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
@@ -114,6 +115,8 @@ class MongoStore:
                 )
             for name, (keys, options) in f.INDEXES.items():
                 await self.collection.create_index(keys, name=name, **options)
+            for name, (keys, options) in f.REGISTRY_INDEXES.items():
+                await self.registry.create_index(keys, name=name, **options)
 
     async def _create(self, schema: Doc | None) -> None:
         extra: dict[str, Any] = {} if schema is None else {"validator": schema, "validationLevel": "moderate"}
@@ -271,6 +274,25 @@ class MongoStore:
         now = hello["localTime"]
         assert isinstance(now, datetime)
         return now if now.tzinfo else now.replace(tzinfo=UTC)
+
+    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
+        info = worker.model_dump(by_alias=True, exclude={f.BEAT_AT, f.EXPIRES_AT})
+        stamp = {f.BEAT_AT: x.NOW, f.EXPIRES_AT: {"$add": [x.NOW, ttl * 1000]}}
+        with mapped_errors():
+            await self.registry.update_one(
+                {f.ID: worker.worker_id}, [{"$set": {**{k: {"$literal": v} for k, v in info.items()}, **stamp}}],
+                upsert=True,
+            )  # fmt: skip
+
+    async def workers(self) -> list[WorkerInfo]:
+        live = {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": "date"}}
+        with mapped_errors():
+            docs = await self.registry.find(live).sort(f.ID, 1).to_list()
+        return [WorkerInfo.model_validate(d) for d in docs]
+
+    async def unregister(self, worker_id: str) -> None:
+        with mapped_errors():
+            await self.registry.delete_one({f.ID: worker_id})
 
     async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
         pipeline = [{"$match": {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}}]
