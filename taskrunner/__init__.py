@@ -5,6 +5,7 @@ from __future__ import annotations
 from taskrunner.context import TaskContext
 from taskrunner.errors import (
     ChangeHistoryLost,
+    ChangeStreamsUnsupported,
     ClaimLost,
     ConfigurationError,
     Fail,
@@ -26,6 +27,7 @@ from taskrunner.models import (
     TaskOptions,
     TaskState,
     WorkerEntry,
+    WorkerInfo,
 )
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import ChangeEvent, Claim, Store
@@ -38,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChangeEvent",
     "ChangeHistoryLost",
+    "ChangeStreamsUnsupported",
     "Claim",
     "ClaimLost",
     "ConfigurationError",
@@ -63,5 +66,6 @@ __all__ = [
     "TaskState",
     "UnknownHandler",
     "WorkerEntry",
+    "WorkerInfo",
     "WriteRejected",
 ]

@@ -1,0 +1,160 @@
+"""Units of the engine: the claim queue, claim ranks, and discovery's fallbacks (memory store)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+from taskrunner import ChangeStreamsUnsupported, MemoryStore, TaskContext, TaskRunner, TaskState
+from taskrunner.models import WorkerInfo
+from taskrunner.schedule import ClaimQueue
+from taskrunner.store.base import ChangeStream
+from taskrunner.worker import Worker
+
+
+def test_queue_keeps_one_entry_per_key_in_time_order() -> None:
+    """Re-scheduling a key replaces its entry; due() lists due keys best rank first."""
+    queue = ClaimQueue()
+    queue.put("a", 5.0, (1, 0, 0.0))
+    queue.put("b", 3.0, (1, 0, 0.0))
+    queue.put("a", 1.0, (1, -5, 0.0))
+    assert len(queue) == 2 and queue.next_at() == 1.0
+    assert [d.key for d in queue.due(4.0)] == ["a", "b"]
+    queue.discard("a")
+    assert queue.next_at() == 3.0 and "a" not in queue
+
+
+def test_queue_overflow_evicts_the_farthest_and_flags_a_rescan() -> None:
+    """Past capacity the farthest keys go and the queue asks for a rescan; the nearest stay."""
+    queue = ClaimQueue(capacity=10)
+    for i in range(11):
+        queue.put(f"k{i}", float(i), (1, 0, 0.0))
+    assert queue.overflowed and len(queue) == 9
+    assert [d.key for d in queue.due(100.0)] == [f"k{i}" for i in range(9)]
+
+
+def make_runner(store: Any) -> tuple[TaskRunner, list[str]]:
+    runner = TaskRunner(store=store)
+    done: list[str] = []
+
+    @runner.task("job")
+    async def job(params: dict[str, Any], ctx: TaskContext) -> None:
+        done.append(ctx.key)
+
+    return runner, done
+
+
+async def run_until(worker: Worker, condition: Any, limit: float = 10.0) -> None:
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(limit):
+            while not condition():
+                await asyncio.sleep(0.02)
+    finally:
+        worker.stop()
+        await running
+
+
+def test_every_worker_computes_the_same_claim_order() -> None:
+    """Rendezvous ranks: for one key, the workers' ranks are a permutation of 0..n-1."""
+    runner, _ = make_runner(MemoryStore())
+    workers = [Worker(runner, worker_id=f"w{i}") for i in range(5)]
+    started = datetime.now(UTC)
+    for w in workers:
+        w.peers = [WorkerInfo(worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"],
+                              concurrency=1) for o in workers if o is not w]  # fmt: skip
+
+    async def ranks(key: str) -> list[int]:
+        [task] = await runner.store.publish([runner.new_task({"name": "job", "key": key})])
+        return sorted(w.rank(task) for w in workers)
+
+    assert asyncio.run(ranks("a")) == asyncio.run(ranks("b")) == [0, 1, 2, 3, 4]
+
+
+class NoStreams(MemoryStore):
+    """A store whose server has no change streams, like a standalone mongod."""
+
+    async def watch(self, *, resume_after: Any = None) -> ChangeStream:
+        raise ChangeStreamsUnsupported("$changeStream is only supported on replica sets")
+
+
+async def test_worker_polls_when_the_server_has_no_change_streams() -> None:
+    """Without change streams the worker warns once and still finds and runs tasks by polling."""
+    runner, done = make_runner(NoStreams())
+    worker = Worker(runner, worker_id="w", poll_interval=0.2)
+    await runner.publish("job", key="before")
+
+    async def later() -> None:
+        await asyncio.sleep(0.5)
+        await runner.publish("job", key="after")
+
+    publisher = asyncio.create_task(later())
+    await run_until(worker, lambda: len(done) == 2)
+    await publisher
+    assert worker.discovery.polling and sorted(done) == ["after", "before"]
+
+
+class ForgetfulStore(MemoryStore):
+    """Loses change history once, as a server does when a stream falls too far behind."""
+
+    lost = False
+
+    async def watch(self, *, resume_after: Any = None) -> ChangeStream:
+        if resume_after is not None and not self.lost:
+            self.lost = True
+            self._events.clear()
+        return await super().watch(resume_after=resume_after)
+
+
+async def test_lost_history_leads_to_a_rescan_and_no_stranded_task() -> None:
+    """After ChangeHistoryLost the worker rescans, so tasks written in the gap still run."""
+    store = ForgetfulStore(history=1)
+    runner, done = make_runner(store)
+    worker = Worker(runner, worker_id="w")
+    running = asyncio.create_task(worker.run())
+    await asyncio.sleep(0.3)
+    await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(5)])
+    async with asyncio.timeout(10):
+        while len(done) < 5:
+            await asyncio.sleep(0.02)
+    worker.stop()
+    await running
+    assert sorted(done) == [f"k{i}" for i in range(5)]
+    assert await runner.store.count(state=TaskState.SUCCESS) == 5
+
+
+async def test_stop_releases_running_claims_without_spending_budget() -> None:
+    """Stopping a worker mid-run cancels the handler and releases the claim; failures stay 0."""
+    runner = TaskRunner(store=MemoryStore())
+    started = asyncio.Event()
+
+    @runner.task("slow")
+    async def slow(params: dict[str, Any], ctx: TaskContext) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    worker = Worker(runner, worker_id="w", shutdown_timeout=0.1)
+    await runner.publish("slow", key="s")
+    running = asyncio.create_task(worker.run())
+    await asyncio.wait_for(started.wait(), 5)
+    worker.stop()
+    await asyncio.wait_for(running, 5)
+    task = await runner.get("s")
+    assert task.state is TaskState.PENDING and task.failures == 0 and task.workers == []
+
+
+async def test_worker_registers_itself_while_running() -> None:
+    """A running worker appears in the registry with its task names and leaves it on stop."""
+    registry_store = MemoryStore()
+    runner, _ = make_runner(registry_store)
+    worker = Worker(runner, worker_id="w-reg", beat_interval=0.1)
+    running = asyncio.create_task(worker.run())
+    async with asyncio.timeout(5):
+        while not await registry_store.workers():
+            await asyncio.sleep(0.02)
+    [info] = await registry_store.workers()
+    worker.stop()
+    await running
+    assert (info.worker_id, info.names) == ("w-reg", ["job"])
+    assert await registry_store.workers() == []
