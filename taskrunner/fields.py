@@ -9,7 +9,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
                 ping_interval, ping_timeout, worker_ids},
       workers: [{worker_id, run_id, state, claimed_at, ping_at, expires_at,
                  attempt, progress, result, error: {type, message, traceback},
-                 finished_at}],
+                 finished_at, took_over}],
       state,           # summary: PENDING | RUNNING | SUCCESS | FAIL | CANCELED
       failures,        # task-wide failure count (the max_failures budget)
       attempts,        # claims made so far
@@ -64,6 +64,7 @@ PROGRESS: Final = "progress"
 RESULT: Final = "result"
 ERROR: Final = "error"
 FINISHED_AT: Final = "finished_at"
+TOOK_OVER: Final = "took_over"
 
 # -- error record -----------------------------------------------------------------
 ERROR_TYPE: Final = "type"

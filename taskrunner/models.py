@@ -141,6 +141,8 @@ class WorkerEntry(BaseModel):
     result: Any = None
     error: TaskError | None = None
     finished_at: UtcDatetime | None = None
+    took_over: list[str] = Field(default_factory=list)
+    """Workers whose expired leases this claim dropped (a takeover)."""
 
     def live(self, now: datetime) -> bool:
         """RUNNING with a lease that has not expired at ``now`` (server time)."""

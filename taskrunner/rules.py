@@ -125,7 +125,7 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
         f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
         f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: now + timeout,
         f.ATTEMPT: attempt, f.PROGRESS: None, f.RESULT: None,
-        f.ERROR: None, f.FINISHED_AT: None,
+        f.ERROR: None, f.FINISHED_AT: None, f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
     }  # fmt: skip
     doc[f.ATTEMPTS] = attempt
     doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]

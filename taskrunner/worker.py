@@ -221,7 +221,9 @@ class Worker:
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
         task.add_done_callback(lambda t: self._finished(claim.run_id, t))
-        self.log.info("claimed", key=claim.task.key, run_id=claim.run_id, taken_over=claim.task.failures > 0)
+        self.log.info("claimed", key=claim.task.key, run_id=claim.run_id)
+        if claim.entry.took_over:
+            self.log.warning("taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over)
 
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)

@@ -151,6 +151,7 @@ async def test_expired_lease_is_taken_over_and_fences_the_old_run(store: Store) 
     new = await store.claim("w2", key="lease")
     assert new is not None and [w.worker_id for w in new.task.workers] == ["w2"]
     assert new.task.failures == 1  # a lost lease spends the failure budget
+    assert new.entry.took_over == ["w1"] and old.entry.took_over == []
     with pytest.raises(ClaimLost):
         await store.ping("lease", old.run_id)
 

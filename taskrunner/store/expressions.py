@@ -141,6 +141,7 @@ def claim_update(worker_id: str, run_id: str) -> list[Expr]:
         f.RESULT: None,
         f.ERROR: None,
         f.FINISHED_AT: None,
+        f.TOOK_OVER: {"$map": {"input": entries(IS_EXPIRED), "as": "w", "in": _w(f.WORKER_ID)}},
     }
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
     return [
