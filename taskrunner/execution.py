@@ -23,7 +23,15 @@ import structlog
 from pydantic import BaseModel
 
 from taskrunner.context import TaskContext
-from taskrunner.errors import ClaimLost, Fail, InvalidParams, StoreError, TaskRunnerError, UnknownHandler
+from taskrunner.errors import (
+    ClaimLost,
+    Fail,
+    InvalidParams,
+    MalformedTask,
+    StoreError,
+    TaskRunnerError,
+    UnknownHandler,
+)
 from taskrunner.models import TaskError, TaskState
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
@@ -179,7 +187,7 @@ class Execution:
                 task = await self.store.ping(self.key, self.run_id)
             except ClaimLost:
                 return self._end(Stop.LOST)
-            except StoreError as exc:
+            except TaskRunnerError as exc:  # unreachable server, or the document was broken by hand
                 self.log.warning("ping failed; retrying", error=redact(str(exc)))
                 interval = min(options.ping_interval, 1.0)
                 continue
@@ -223,6 +231,9 @@ class Execution:
                 return
             except ClaimLost:
                 self.log.warning("claim lost before the outcome was written; nothing written")
+                return
+            except MalformedTask as exc:  # written, but the document no longer reads back
+                self.log.error("outcome written to a malformed document", error=str(exc))
                 return
             except StoreError as exc:
                 if time.monotonic() + delay > deadline:

@@ -120,16 +120,23 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     expired = [w for w in entries if is_expired(w, now)]
     doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
     attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
-    timeout = timedelta(seconds=option(doc, f.PING_TIMEOUT))
+    timeout = _num(option(doc, f.PING_TIMEOUT))
     entry = {
         f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
-        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: now + timeout,
+        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: None if timeout is None else now + timedelta(seconds=timeout),
         f.ATTEMPT: attempt, f.PROGRESS: None, f.RESULT: None,
         f.ERROR: None, f.FINISHED_AT: None, f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
     }  # fmt: skip
     doc[f.ATTEMPTS] = attempt
     doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
     summarize(doc, now)
+
+
+def claim_order(doc: Doc) -> tuple[float, str, str]:
+    """Priority descending, then oldest (the claim sort), total even for odd field types."""
+    created = doc.get(f.CREATED_AT)
+    return (-(_num(doc.get(f.PRIORITY)) or 0.0), created.isoformat() if isinstance(created, datetime) else "",
+            str(doc.get(f.ID)))  # fmt: skip
 
 
 def running_entry(doc: Doc, run_id: str) -> Doc | None:
@@ -154,8 +161,9 @@ def apply_failure(doc: Doc, entry: Doc, error: Doc, now: datetime) -> None:
     """Record the failure; the task is claimable again after ``retry_backoff``."""
     entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: error, f.FINISHED_AT: now})
     doc[f.FAILURES] = doc[f.FAILURES] + 1
-    retry_at = now + timedelta(seconds=option(doc, f.RETRY_BACKOFF))
-    doc[f.RUN_AT] = max(doc[f.RUN_AT], retry_at)
+    retry_at = now + timedelta(seconds=_num(option(doc, f.RETRY_BACKOFF)) or 0)
+    run_at = doc.get(f.RUN_AT)
+    doc[f.RUN_AT] = max(run_at, retry_at) if isinstance(run_at, datetime) else retry_at
     summarize(doc, now)
 
 

@@ -28,7 +28,7 @@ import structlog
 
 from taskrunner import __version__, rules
 from taskrunner.discovery import Discovery
-from taskrunner.errors import ConfigurationError, StoreError
+from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.models import Task, WorkerInfo
 from taskrunner.redact import redact
@@ -192,6 +192,9 @@ class Worker:
         key = due[0].key if due[0].rank[0] == 0 else None
         try:
             claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
+        except MalformedTask as exc:
+            self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
+            return None
         except StoreError as exc:
             self.log.warning("claim failed", error=redact(str(exc)))
             await asyncio.sleep(random.uniform(0.5, 1.5))

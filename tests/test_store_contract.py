@@ -382,3 +382,28 @@ async def test_registry_lists_live_workers_until_they_expire(store: Store) -> No
     assert [w.running for w in await store.workers()] == [["k"]]
     await store.unregister("w1")
     assert await store.workers() == []
+
+
+async def test_claiming_an_unreadable_document_records_a_failure(store: Store, raw_insert: Raw) -> None:
+    """A claimable document that cannot be read fails that run (MalformedTask) instead of looping."""
+    past = datetime.now(UTC) - timedelta(hours=1)
+    await raw_insert({"key": "odd", "name": "job", "params": "not-an-object", "priority": "high",
+                      "created_at": past, "updated_at": past, "run_at": past, "claimable_at": past,
+                      "state": "PENDING", "failures": 0, "attempts": 0, "workers": [],
+                      "options": {"concurrency": 1, "max_failures": 1, "ping_timeout": 5, "worker_ids": []}})  # fmt: skip
+    with pytest.raises(MalformedTask, match="params"):
+        await store.claim("w1")
+    assert await store.claim("w2") is None  # its one failure spent the budget
+    [doc] = [d async for d in _raw_docs(store)]
+    assert doc["state"] == "FAIL" and doc["failures"] == 1
+    assert doc["workers"][0]["state"] == "FAIL" and doc["workers"][0]["error"]["type"] == "MalformedTask"
+
+
+async def _raw_docs(store: Store) -> AsyncIterator[dict[str, Any]]:
+    if isinstance(store, MemoryStore):
+        for doc in store._docs.values():
+            yield doc
+    else:
+        assert isinstance(store, MongoStore)
+        async for doc in store.collection.find():
+            yield doc

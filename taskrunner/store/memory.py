@@ -131,11 +131,18 @@ class MemoryStore:
         ]
         if not eligible:
             return None
-        doc = min(eligible, key=lambda d: (-d[f.PRIORITY], d[f.CREATED_AT], str(d[f.ID])))
+        doc = min(eligible, key=rules.claim_order)
         run_id = uuid.uuid4().hex
         rules.apply_claim(doc, worker_id, run_id, now)
         self._emit("update", doc)
-        return Claim(self._task(doc), run_id)
+        try:
+            return Claim(self._task(doc), run_id)
+        except MalformedTask as exc:
+            # Record the unreadable document as this run's failure, so it cannot loop.
+            error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
+            rules.apply_failure(doc, rules.running_entry(doc, run_id) or {}, error, now)
+            self._emit("update", doc)
+            raise
 
     def _run_write(self, key: str, run_id: str, apply: Callable[[Doc, Doc, datetime], None]) -> Task:
         doc = self._docs.get(key)

@@ -33,7 +33,7 @@ from taskrunner.errors import (
     TaskNotFound,
     WriteRejected,
 )
-from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerInfo
+from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.store import expressions as x
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
@@ -236,7 +236,23 @@ class MongoStore:
                 sort=CLAIM_SORT,
                 return_document=ReturnDocument.AFTER,
             )
-        return None if doc is None else Claim(self._task(doc), run_id)
+        if doc is None:
+            return None
+        try:
+            return Claim(self._task(doc), run_id)
+        except MalformedTask as exc:
+            await self._reject(doc[f.ID], run_id, exc)
+            raise
+
+    async def _reject(self, doc_id: Any, run_id: str, exc: MalformedTask) -> None:
+        """Record a claimed but unreadable document as this run's failure, so it cannot loop."""
+        error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
+        fence = {
+            f.ID: doc_id,
+            f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}},
+        }
+        with mapped_errors():
+            await self.collection.update_one(fence, x.failure_update(run_id, error))
 
     async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
         with mapped_errors():
