@@ -288,6 +288,21 @@ def dev_server(
         fail(str(exc))
 
 
+@app.command()
+def demo(
+    workers: Annotated[int, typer.Option(min=2, help="Worker processes to start (one is killed).")] = 3,
+) -> None:
+    """Run everything locally: embedded server, workers, sample tasks, a killed worker's takeover."""
+    from taskrunner.demo import run_demo
+
+    try:
+        ok = asyncio.run(run_demo(console=out, workers=workers))
+    except (TaskRunnerError, OSError) as exc:
+        fail(str(exc))
+    if not ok:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()
