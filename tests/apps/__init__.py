@@ -1,0 +1,1 @@
+"""Importable apps for the worker process tests (``apps.acceptance_app:runner``)."""

@@ -1,0 +1,127 @@
+"""The app the worker process tests run: handlers that record every start and finish.
+
+Each handler appends JSON lines to ``$ACCEPTANCE_MARKS/<worker_id>.jsonl`` (one file
+per worker process, appends of one short line each), so a test counts executions
+exactly instead of trusting task states. Events: ``start``, ``finish``, ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from taskrunner import Fail, TaskContext, TaskRunner
+
+runner = TaskRunner()
+
+
+def mark(event: str, ctx: TaskContext, **extra: Any) -> None:
+    """Append one line recording ``event`` for this run (a no-op without ACCEPTANCE_MARKS)."""
+    where = os.environ.get("ACCEPTANCE_MARKS")
+    if not where:
+        return
+    line = {"event": event, "key": ctx.key, "run_id": ctx.run_id, "attempt": ctx.attempt,
+            "worker_id": ctx.worker_id, "t": time.time(), **extra}  # fmt: skip
+    with (Path(where) / f"{ctx.worker_id}.jsonl").open("a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
+def marks_of(key: str) -> list[dict[str, Any]]:
+    """Every mark recorded for ``key`` by any worker process."""
+    where = os.environ.get("ACCEPTANCE_MARKS")
+    lines = (
+        [line for path in Path(where).glob("*.jsonl") for line in path.read_text().splitlines()]
+        if where
+        else []
+    )
+    return [m for m in map(json.loads, (line for line in lines if line.endswith("}"))) if m["key"] == key]
+
+
+@runner.task("quick")
+async def quick(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    mark("start", ctx)
+    mark("finish", ctx)
+    return {"worker_id": ctx.worker_id, "run_id": ctx.run_id}
+
+
+class SleepParams(BaseModel):
+    seconds: float
+    first_seconds: float | None = None
+    """How long the task's first attempt sleeps (``seconds`` when absent)."""
+
+
+@runner.task("sleep")
+async def sleep(params: SleepParams, ctx: TaskContext) -> dict[str, Any]:
+    """Sleep (cancellably); records a ``cancelled`` mark with ``ctx.cancelled`` when stopped."""
+    mark("start", ctx)
+    seconds = (
+        params.first_seconds if ctx.attempt == 1 and params.first_seconds is not None else params.seconds
+    )
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        mark("cancelled", ctx, ctx_cancelled=ctx.cancelled)
+        raise
+    mark("finish", ctx)
+    return {"worker_id": ctx.worker_id, "run_id": ctx.run_id}
+
+
+class FlakyParams(BaseModel):
+    failures: int
+    """How many calls (over all runs and workers) raise before one succeeds."""
+
+
+@runner.task("flaky")
+async def flaky(params: FlakyParams, ctx: TaskContext) -> dict[str, Any]:
+    mark("start", ctx)
+    calls = sum(m["event"] == "start" for m in marks_of(ctx.key))
+    if calls <= params.failures:
+        raise RuntimeError(f"flaky call {calls} of {params.failures} failing")
+    mark("finish", ctx)
+    return {"calls": calls}
+
+
+@runner.task("always_fails")
+async def always_fails(params: dict[str, Any], ctx: TaskContext) -> None:
+    mark("start", ctx)
+    raise RuntimeError(f"boom from {ctx.worker_id}")
+
+
+@runner.task("fails_fast")
+async def fails_fast(params: dict[str, Any], ctx: TaskContext) -> None:
+    mark("start", ctx)
+    raise Fail("gave up on purpose")
+
+
+class TypedParams(BaseModel):
+    count: int
+
+
+@runner.task("typed")
+async def typed(params: TypedParams, ctx: TaskContext) -> int:
+    mark("start", ctx)
+    return params.count
+
+
+@runner.task("unstorable")
+async def unstorable(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    mark("start", ctx)
+    return {"value": object()}
+
+
+@runner.task("interrupt")
+async def interrupt(params: dict[str, Any], ctx: TaskContext) -> None:
+    mark("start", ctx)
+    raise KeyboardInterrupt
+
+
+@runner.task("interrupt_sync")
+def interrupt_sync(params: dict[str, Any], ctx: TaskContext) -> None:
+    mark("start", ctx)
+    raise KeyboardInterrupt
