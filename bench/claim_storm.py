@@ -51,7 +51,9 @@ async def storm(workers: int, tasks: int, gap: float) -> dict[str, Any]:
 
         await app.init()
         fleet = [
-            Worker(app.copy(store=CountingStore.connect(server.uri, collection="storm")), worker_id=f"w{i:02}")
+            Worker(
+                app.copy(store=CountingStore.connect(server.uri, collection="storm")), worker_id=f"w{i:02}"
+            )
             for i in range(workers)
         ]
         running = [asyncio.create_task(w.run()) for w in fleet]

@@ -121,7 +121,9 @@ class Worker:
         """
         free = {p.worker_id for p in self.peers if task.name in p.names and len(p.running) < p.concurrency}
         candidates = free | {self.worker_id}
-        order = sorted(candidates, key=lambda w: hashlib.blake2b(f"{task.key}\0{w}".encode(), digest_size=8).digest())
+        order = sorted(
+            candidates, key=lambda w: hashlib.blake2b(f"{task.key}\0{w}".encode(), digest_size=8).digest()
+        )
         return order.index(self.worker_id)
 
     async def run(self) -> None:
@@ -226,7 +228,9 @@ class Worker:
         task.add_done_callback(lambda t: self._finished(claim.run_id, t))
         self.log.info("claimed", key=claim.task.key, run_id=claim.run_id)
         if claim.entry.took_over:
-            self.log.warning("taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over)
+            self.log.warning(
+                "taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over
+            )
 
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)
