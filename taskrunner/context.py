@@ -21,9 +21,22 @@ class TaskContext:
     params: Any
     logger: Any = field(default=None)
     cancelled: bool = False
+    _progress: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.logger is None:
             self.logger = structlog.get_logger("taskrunner.task").bind(
                 key=self.key, run_id=self.run_id, worker_id=self.worker_id, attempt=self.attempt
             )
+
+    async def progress(self, fraction: float, message: str | None = None) -> None:
+        """Record progress (0..1) on this run's entry; it rides on the next ping, so
+        calling it often costs no round trips."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"progress fraction must be between 0 and 1, got {fraction}")
+        self._progress = {"fraction": float(fraction), "message": message}
+
+    def take_progress(self) -> dict[str, Any] | None:
+        """The progress not yet sent (the heartbeat calls this)."""
+        progress, self._progress = self._progress, None
+        return progress

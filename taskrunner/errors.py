@@ -6,6 +6,8 @@
     ├── InvalidTask (ValueError)        bad input on publish; names the field
     │   └── InvalidParams               params fail the handler's model
     ├── TaskNotFound (LookupError)      no task with that key
+    ├── InvalidState                    the task's state does not allow that (e.g. retry a SUCCESS)
+    ├── WaitTimeout (TimeoutError)      wait() gave up; ``task`` holds the last state seen
     ├── UnknownHandler (LookupError)    no handler registered under that name
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
@@ -43,6 +45,22 @@ class TaskNotFound(TaskRunnerError, LookupError):
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"no task with key {key!r}")
+
+
+class InvalidState(TaskRunnerError):
+    """The task's state does not allow the operation."""
+
+    def __init__(self, key: str, state: str, operation: str, allowed: str) -> None:
+        self.key, self.state = key, state
+        super().__init__(f"cannot {operation} task {key!r}: it is {state}; only {allowed} tasks can be")
+
+
+class WaitTimeout(TaskRunnerError, TimeoutError):
+    """``wait`` reached its timeout before the task finished."""
+
+    def __init__(self, key: str, timeout: float, task: object) -> None:
+        self.key, self.task = key, task
+        super().__init__(f"task {key!r} did not finish within {timeout:g} s")
 
 
 class UnknownHandler(TaskRunnerError, LookupError):

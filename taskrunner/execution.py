@@ -33,6 +33,7 @@ from taskrunner.errors import (
     UnknownHandler,
 )
 from taskrunner.models import TaskError, TaskState
+from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
 from taskrunner.store.base import Claim, Store
@@ -92,7 +93,10 @@ class Execution:
         registry: Registry,
         worker_id: str,
         executor: Executor | None = None,
+        observer: WorkerObserver | None = None,
     ) -> None:
+        self.observer: WorkerObserver = observer or NullObserver()
+        self.started = time.monotonic()
         self.claim, self.store, self.registry = claim, store, registry
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
@@ -117,6 +121,7 @@ class Execution:
             registration, params = self._prepare()
         except (UnknownHandler, InvalidParams) as exc:
             await self._write(Outcome(error=error_of(exc)))
+            self.observer.finished(self.task, "failure", 0.0)
             return
         self.ctx = TaskContext(self.key, self.run_id, self.claim.entry.attempt, self.worker_id, params)
         self._handler = asyncio.create_task(
@@ -140,14 +145,17 @@ class Execution:
         with_outcome = not self._handler.cancelled() and self.stopped is None
         outcome = self._handler.result() if with_outcome else None
         heartbeat.cancel()
+        seconds = time.monotonic() - self.started
         if outcome is not None:
             await self._write(outcome)
+            self.observer.finished(self.task, "success" if outcome.error is None else "failure", seconds)
         elif self.stopped in RELEASING:
             await self._release()
+            self.observer.finished(self.task, "released", seconds)
         else:
-            self.log.warning(
-                "run abandoned: another worker may own it", reason=self.stopped and self.stopped.value
-            )
+            reason = self.stopped and self.stopped.value
+            self.log.warning("run abandoned: another worker may own it", reason=reason)
+            self.observer.finished(self.task, "lost", seconds)
 
     # -- handler ----------------------------------------------------------------------------
     async def _attempts(self, registration: Registration, ctx: TaskContext) -> Outcome:
@@ -183,11 +191,14 @@ class Execution:
             if time.monotonic() - confirmed >= options.ping_timeout:
                 return self._end(Stop.UNCONFIRMED)
             sent = time.monotonic()
+            progress = self.ctx.take_progress() if self.ctx else None
             try:
-                task = await self.store.ping(self.key, self.run_id)
+                task = await self.store.ping(self.key, self.run_id, progress=progress)
             except ClaimLost:
                 return self._end(Stop.LOST)
             except TaskRunnerError as exc:  # unreachable server, or the document was broken by hand
+                if progress is not None and self.ctx is not None and self.ctx._progress is None:
+                    self.ctx._progress = progress  # resend with the next ping
                 self.log.warning("ping failed; retrying", error=redact(str(exc)))
                 interval = min(options.ping_interval, 1.0)
                 continue

@@ -14,6 +14,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
       failures,        # task-wide failure count (the max_failures budget)
       attempts,        # claims made so far
       claimable_at,    # earliest time a new worker may claim; absent when finished
+      finished_at,     # when the task reached SUCCESS, FAIL or CANCELED (TTL retention)
       publish_id,      # id of the publish call that wrote this version
     }
 
@@ -81,6 +82,7 @@ BEAT_AT: Final = "beat_at"
 NAMES: Final = "names"
 RUNNING: Final = "running"
 VERSION: Final = "version"
+STOP_REQUESTED: Final = "stop_requested"
 
 
 def opt(name: str) -> str:
@@ -98,11 +100,15 @@ def ref(path: str) -> str:
 # claim: the claim filter (state in PENDING/RUNNING, claimable_at <= now) and its
 #   sort (priority desc, created_at asc).
 # name_state: operators' listing by name and state.
+# worker: which tasks a worker runs or ran (`taskrunner list --worker`).
 INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "key_unique": ([(KEY, 1)], {"unique": True}),
     "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
     "name_state": ([(NAME, 1), (STATE, 1)], {}),
+    "worker": ([(f"{WORKERS}.{WORKER_ID}", 1)], {}),
 }
+# Retention (`taskrunner init --retain-finished 7d`): MongoDB deletes finished tasks itself.
+RETENTION_INDEX: Final = "finished_ttl"
 
 # The registry: live workers, expired by MongoDB's TTL monitor once they stop beating.
 REGISTRY_INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {

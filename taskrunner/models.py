@@ -231,6 +231,7 @@ class Task(BaseModel):
     failures: int = 0
     attempts: int = 0
     claimable_at: UtcDatetime | None = None
+    finished_at: UtcDatetime | None = None
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 
@@ -253,6 +254,21 @@ class Task(BaseModel):
     def successes(self) -> int:
         return sum(w.state is EntryState.SUCCESS for w in self.workers)
 
+    @property
+    def results(self) -> list[Any]:
+        """The results of the successful runs, in claim order."""
+        return [w.result for w in self.workers if w.state is EntryState.SUCCESS]
+
+    @property
+    def errors(self) -> list[TaskError]:
+        """The error records of the failed runs, in claim order."""
+        return [w.error for w in self.workers if w.state is EntryState.FAIL and w.error is not None]
+
+    @property
+    def last_error(self) -> TaskError | None:
+        errors = self.errors
+        return errors[-1] if errors else None
+
 
 class WorkerInfo(BaseModel):
     """A live worker as it registers itself (the registry collection)."""
@@ -270,3 +286,34 @@ class WorkerInfo(BaseModel):
     version: str = ""
     beat_at: UtcDatetime | None = None
     expires_at: UtcDatetime | None = None
+    stop_requested: bool = False
+    """Set by ``taskrunner stop-worker``; the worker shuts down gracefully at its next beat."""
+
+
+class TaskStats(BaseModel):
+    """Counts for dashboards, computed by one aggregation (``taskrunner stats``)."""
+
+    counts: dict[str, dict[str, int]]
+    """Task name -> state -> number of tasks."""
+    running: int
+    oldest_pending_seconds: float | None
+    """Age of the oldest PENDING task (server time), None when there is none."""
+    finished_last_hour: int
+    """Runs (worker entries) that succeeded or failed in the last hour."""
+    failed_last_hour: int
+
+    @property
+    def failure_rate_last_hour(self) -> float | None:
+        return self.failed_last_hour / self.finished_last_hour if self.finished_last_hour else None
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '1.5s', '30m', '12h', '7d' or '2w'."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r}; use e.g. 30s, 15m, 12h, 7d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]

@@ -8,6 +8,7 @@ null or not a date never matches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -57,7 +58,10 @@ def summarize(doc: Doc, now: datetime) -> None:
     doc[f.UPDATED_AT] = now
     if doc[f.STATE] in FINISHED:
         doc.pop(f.CLAIMABLE_AT, None)
+        if not isinstance(doc.get(f.FINISHED_AT), datetime):
+            doc[f.FINISHED_AT] = now
         return
+    doc.pop(f.FINISHED_AT, None)
     live = [w for w in _entries(doc) if is_live(w, now)]
     concurrency = _num(option(doc, f.CONCURRENCY))
     run_at: Any = doc.get(f.RUN_AT)
@@ -217,6 +221,7 @@ def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
     if doc[f.FAILURES] >= task.options.max_failures:
         doc[f.STATE] = TaskState.FAIL.value
         doc.pop(f.CLAIMABLE_AT)
+        doc[f.FINISHED_AT] = now
 
 
 def start_time(task: NewTask, now: datetime) -> datetime:
@@ -240,3 +245,17 @@ def next_claim(task: Task, worker_id: str) -> datetime | None:
         return None  # mscheduler gap 6: never run the same task twice on one worker
     running = [w.expires_at for w in mine if w.state is EntryState.RUNNING]
     return max([task.claimable_at, *running])
+
+
+RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
+
+
+def apply_retry(doc: Doc, now: datetime) -> None:
+    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history."""
+    doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
+    summarize(doc, now)
+
+
+def purgeable(doc: Doc, states: Sequence[str], cutoff: datetime) -> bool:
+    finished = doc.get(f.FINISHED_AT)
+    return doc.get(f.STATE) in states and isinstance(finished, datetime) and finished < cutoff

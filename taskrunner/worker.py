@@ -31,6 +31,7 @@ from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.models import Task, WorkerInfo
+from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.schedule import ClaimQueue, Due, Rank
 from taskrunner.store.base import Claim, Store
@@ -75,6 +76,7 @@ class Worker:
         poll_interval: float = 5.0,
         queue_capacity: int = 10_000,
         beat_interval: float = 2.0,
+        observer: WorkerObserver | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
@@ -85,6 +87,7 @@ class Worker:
         self.queue = ClaimQueue(queue_capacity)
         self.discovery = Discovery(self.store, self.queue, self.claim_time, poll_interval=poll_interval)
         self.clock = ServerClock()
+        self.observer: WorkerObserver = observer or NullObserver()
         self.beat_interval = beat_interval
         self.started_at = datetime.now(UTC)
         self.peers: list[WorkerInfo] = []
@@ -221,11 +224,14 @@ class Worker:
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
-            claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor
-        )
+            claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor,
+            observer=self.observer,
+        )  # fmt: skip
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
         task.add_done_callback(lambda t: self._finished(claim.run_id, t))
+        self.observer.claimed(claim.task, claim.entry)
+        self.observer.in_flight(len(self.runs))
         self.log.info("claimed", key=claim.task.key, run_id=claim.run_id)
         if claim.entry.took_over:
             self.log.warning(
@@ -235,6 +241,7 @@ class Worker:
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)
         self._slots.release()
+        self.observer.in_flight(len(self.runs))
         if not task.cancelled() and task.exception() is not None:
             self.log.error("run crashed", run_id=run_id, error=repr(task.exception()))
 
@@ -266,7 +273,10 @@ class Worker:
         """Heartbeat into the registry and learn the live peers (for claim ranks)."""
         while not self._stop.is_set():
             try:
-                await self.store.beat(self.info(), ttl=5 * self.beat_interval)
+                if await self.store.beat(self.info(), ttl=5 * self.beat_interval):
+                    self.log.warning("stop requested by an operator; shutting down")
+                    self.stop()
+                    return
                 self.peers = [p for p in await self.store.workers() if p.worker_id != self.worker_id]
             except StoreError as exc:
                 self.log.warning("registry heartbeat failed", error=redact(str(exc)))

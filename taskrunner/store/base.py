@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerEntry, WorkerInfo
+from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
 
 EventKind = Literal["insert", "update", "replace", "delete"]
 
@@ -58,8 +58,10 @@ class ChangeStream(Protocol):
 
 
 class Store(Protocol):
-    async def init(self, *, validator: bool = False) -> None:
-        """Create indexes (idempotent); optionally install the $jsonSchema validator."""
+    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
+        """Create indexes (idempotent); optionally install the $jsonSchema validator and a
+        TTL index deleting finished tasks ``retain_finished`` seconds after they finish
+        (0 removes it)."""
 
     async def publish(
         self,
@@ -74,9 +76,14 @@ class Store(Protocol):
         """The task with ``key``; raises ``TaskNotFound``."""
 
     async def find(
-        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+        self,
+        *,
+        state: TaskState | None = None,
+        name: str | None = None,
+        worker_id: str | None = None,
+        limit: int = 0,
     ) -> list[Task]:
-        """Tasks by state and name, oldest first; malformed documents are skipped."""
+        """Tasks by state, name and worker (any entry), oldest first; malformed ones skipped."""
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
 
@@ -99,20 +106,36 @@ class Store(Protocol):
         """Give the claim back without spending the failure budget."""
 
     async def cancel(self, key: str) -> Task:
-        """Mark the task CANCELED unless it already finished."""
+        """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
+
+    async def retry(self, key: str) -> Task:
+        """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
+
+    async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
+        """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""
+
+    async def stats(self) -> TaskStats: ...
 
     async def server_time(self) -> datetime: ...
 
-    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
-        """Register or refresh a worker; it counts as live for ``ttl`` seconds (server time)."""
+    async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
+        """Register or refresh a worker, live for ``ttl`` seconds (server time).
+
+        Returns True when an operator asked this worker to stop."""
+
+    async def request_stop(self, worker_id: str) -> bool:
+        """Ask a live worker to shut down gracefully; False if no such live worker."""
 
     async def workers(self) -> list[WorkerInfo]:
         """Workers whose registration has not expired."""
 
     async def unregister(self, worker_id: str) -> None: ...
 
-    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
-        """Open a stream of change events in commit order, resumable from a token.
+    async def watch(
+        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+    ) -> ChangeStream:
+        """Open a stream of change events in commit order (only ``key``'s if given),
+        resumable from a token.
 
         Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
         ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""

@@ -71,6 +71,12 @@ def earliest(dates: str) -> Expr:
     }
 
 
+def finished_at() -> Expr:
+    """When the task reached a final state: kept once set, removed when it runs again."""
+    finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
+    return {"$cond": [finished, {"$ifNull": [f.ref(f.FINISHED_AT), NOW]}, "$$REMOVE"]}
+
+
 def summary_stages() -> list[Expr]:
     """Recompute ``state``, ``claimable_at`` and ``updated_at`` (``rules.summarize``)."""
     succ, live = "$_tr_succ", "$_tr_live"
@@ -101,7 +107,7 @@ def summary_stages() -> list[Expr]:
     return [
         {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(IS_LIVE)}},
         {"$set": {f.STATE: state, f.UPDATED_AT: NOW}},
-        {"$set": {f.CLAIMABLE_AT: claimable_at}},
+        {"$set": {f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: finished_at()}},
         {"$unset": ["_tr_succ", "_tr_live"]},
     ]
 
@@ -229,7 +235,7 @@ def publish_update(
     drop_claimable = {"$cond": [finished, "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
     return [
         {"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}},
-        {"$set": {f.CLAIMABLE_AT: drop_claimable}},
+        {"$set": {f.CLAIMABLE_AT: drop_claimable, f.FINISHED_AT: finished_at()}},
     ]
 
 
@@ -251,3 +257,36 @@ def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
         f.CLAIMABLE_AT: run_at,
     }
     return {"$mergeObjects": ["$$ROOT", changes]}
+
+
+def retry_update() -> list[Expr]:
+    """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
+    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW}
+    return [{"$set": fresh}, *summary_stages()]
+
+
+def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
+    """Finished tasks in ``states`` whose ``finished_at`` is older than the cutoff (server time)."""
+    cutoff = {"$subtract": [NOW, older_than_ms]}
+    return {
+        f.STATE: {"$in": states},
+        f.FINISHED_AT: {"$type": "date"},
+        "$expr": {"$lt": [f.ref(f.FINISHED_AT), cutoff]},
+    }
+
+
+def stats_pipeline() -> list[Expr]:
+    """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
+    hour_ago = {"$subtract": [NOW, 3_600_000]}
+    recent = {"$and": [{"$in": [f"$workers.{f.STATE}", ["SUCCESS", "FAIL"]]},
+                       {"$gte": [f"$workers.{f.FINISHED_AT}", hour_ago]}]}  # fmt: skip
+    return [
+        {"$facet": {
+            "by": [{"$group": {"_id": {"name": f.ref(f.NAME), "state": f.ref(f.STATE)}, "n": {"$sum": 1}}}],
+            "oldest": [{"$match": {f.STATE: TaskState.PENDING.value}},
+                       {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}}],
+            "recent": [{"$match": {f.WORKERS: {"$type": "array"}}}, {"$unwind": f.ref(f.WORKERS)},
+                       {"$match": {"$expr": recent}}, {"$group": {"_id": f"$workers.{f.STATE}", "n": {"$sum": 1}}}],
+        }},
+        {"$addFields": {"now": NOW}},
+    ]  # fmt: skip

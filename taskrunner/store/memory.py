@@ -19,8 +19,8 @@ from bson import ObjectId
 
 from taskrunner import fields as f
 from taskrunner import rules
-from taskrunner.errors import ChangeHistoryLost, ClaimLost, MalformedTask, TaskNotFound
-from taskrunner.models import NewTask, Task, TaskError, TaskState, WorkerInfo, to_utc
+from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, MalformedTask, TaskNotFound
+from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
 
 Doc = dict[str, Any]
@@ -56,7 +56,7 @@ class MemoryStore:
         return copy.deepcopy(self._docs[key])
 
     # -- Store --------------------------------------------------------------------
-    async def init(self, *, validator: bool = False) -> None:
+    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
         return None
 
     async def publish(
@@ -97,9 +97,15 @@ class MemoryStore:
         return self._task(doc)
 
     async def find(
-        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+        self,
+        *,
+        state: TaskState | None = None,
+        name: str | None = None,
+        worker_id: str | None = None,
+        limit: int = 0,
     ) -> list[Task]:
-        docs = sorted(self._matching(state, name), key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
+        docs = [d for d in self._matching(state, name) if worker_id is None or _has_worker(d, worker_id)]
+        docs.sort(key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
         tasks = [t for t in (self._readable(d) for d in docs) if t is not None]
         return tasks[:limit] if limit else tasks
 
@@ -172,18 +178,66 @@ class MemoryStore:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
+        if doc.get(f.STATE) in (TaskState.SUCCESS.value, TaskState.FAIL.value):
+            raise InvalidState(key, doc[f.STATE], "cancel", "PENDING or RUNNING")
         rules.apply_cancel(doc, self._clock())
         self._emit("update", doc)
         return self._task(doc)
 
+    async def retry(self, key: str) -> Task:
+        doc = self._docs.get(key)
+        if doc is None:
+            raise TaskNotFound(key)
+        if doc.get(f.STATE) not in rules.RETRYABLE:
+            raise InvalidState(key, str(doc.get(f.STATE)), "retry", "FAIL or CANCELED")
+        rules.apply_retry(doc, self._clock())
+        self._emit("update", doc)
+        return self._task(doc)
+
+    async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
+        cutoff = self._clock() - timedelta(seconds=older_than)
+        doomed = [k for k, d in self._docs.items() if rules.purgeable(d, [s.value for s in states], cutoff)]
+        if not dry_run:
+            for key in doomed:
+                self._emit("delete", None, key=key)
+                del self._docs[key]
+        return len(doomed)
+
+    async def stats(self) -> TaskStats:
+        now = self._clock()
+        counts: dict[str, dict[str, int]] = {}
+        for doc in self._docs.values():
+            by_state = counts.setdefault(str(doc.get(f.NAME)), {})
+            by_state[str(doc.get(f.STATE))] = by_state.get(str(doc.get(f.STATE)), 0) + 1
+        pending = [d[f.CREATED_AT] for d in self._docs.values() if d.get(f.STATE) == TaskState.PENDING.value]
+        hour_ago = now - timedelta(hours=1)
+        recent = [w.get(f.STATE) for d in self._docs.values() for w in d.get(f.WORKERS) or []
+                  if isinstance(w, dict) and isinstance(w.get(f.FINISHED_AT), datetime) and w[f.FINISHED_AT] >= hour_ago]  # fmt: skip
+        return TaskStats(
+            counts=counts,
+            running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
+            oldest_pending_seconds=(now - min(pending)).total_seconds() if pending else None,
+            finished_last_hour=sum(s in ("SUCCESS", "FAIL") for s in recent),
+            failed_last_hour=recent.count("FAIL"),
+        )
+
     async def server_time(self) -> datetime:
         return self._clock()
 
-    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
-        now = self._clock()
+    async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
+        now, old = self._clock(), self._registry.get(worker.worker_id)
+        stop = old is not None and old.stop_requested
         self._registry[worker.worker_id] = worker.model_copy(
-            update={f.BEAT_AT: now, f.EXPIRES_AT: now + timedelta(seconds=ttl)}
+            update={f.BEAT_AT: now, f.EXPIRES_AT: now + timedelta(seconds=ttl), f.STOP_REQUESTED: stop}
         )
+        return stop
+
+    async def request_stop(self, worker_id: str) -> bool:
+        live = {w.worker_id: w for w in await self.workers()}
+        if worker_id not in live:
+            return False
+        self._registry[worker_id] = live[worker_id].model_copy(update={f.STOP_REQUESTED: True})
+        return True
 
     async def workers(self) -> list[WorkerInfo]:
         now = self._clock()
@@ -193,8 +247,10 @@ class MemoryStore:
     async def unregister(self, worker_id: str) -> None:
         self._registry.pop(worker_id, None)
 
-    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
-        stream = _MemoryChangeStream(self, self._position_after(resume_after))
+    async def watch(
+        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+    ) -> ChangeStream:
+        stream = _MemoryChangeStream(self, self._position_after(resume_after), key)
         stream.check_history()
         return stream
 
@@ -240,9 +296,10 @@ class MemoryStore:
 
 
 class _MemoryChangeStream:
-    def __init__(self, store: MemoryStore, position: int) -> None:
+    def __init__(self, store: MemoryStore, position: int, key: str | None) -> None:
         self._store = store
         self._position = position
+        self._key = key
         self._closed = False
 
     @property
@@ -272,7 +329,20 @@ class _MemoryChangeStream:
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None] | None:
-        return next((e for e in self._store._events if e[0] > self._position), None)
+        for event in self._store._events:
+            if event[0] <= self._position:
+                continue
+            if self._key is None or (event[3] is not None and event[2] == self._key):
+                return event
+            self._position = event[0]  # filtered out, like a server-side $match
+        return None
 
     async def close(self) -> None:
         self._closed = True
+
+
+def _has_worker(doc: Doc, worker_id: str) -> bool:
+    workers = doc.get(f.WORKERS)
+    return isinstance(workers, list) and any(
+        isinstance(w, dict) and w.get(f.WORKER_ID) == worker_id for w in workers
+    )

@@ -26,6 +26,7 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamsUnsupported,
     ClaimLost,
+    InvalidState,
     InvalidTask,
     MalformedTask,
     StoreError,
@@ -33,7 +34,7 @@ from taskrunner.errors import (
     TaskNotFound,
     WriteRejected,
 )
-from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, WorkerInfo
+from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.store import expressions as x
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
@@ -102,7 +103,7 @@ class MongoStore:
             raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
         return cls(client, database, collection, owns_client=True)
 
-    async def init(self, *, validator: bool = False) -> None:
+    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
         with mapped_errors():
             db = self.collection.database
             found = [c async for c in await db.list_collections(filter={"name": self.collection.name})]
@@ -117,6 +118,19 @@ class MongoStore:
                 await self.collection.create_index(keys, name=name, **options)
             for name, (keys, options) in f.REGISTRY_INDEXES.items():
                 await self.registry.create_index(keys, name=name, **options)
+            if retain_finished is not None:
+                await self._retention(retain_finished)
+
+    async def _retention(self, seconds: float) -> None:
+        """Install, change (drop and recreate) or, for 0, remove the finished-task TTL index."""
+        indexes = await self.collection.index_information()
+        current = indexes.get(f.RETENTION_INDEX, {}).get("expireAfterSeconds")
+        if current is not None and (seconds == 0 or current != int(seconds)):
+            await self.collection.drop_index(f.RETENTION_INDEX)
+        if seconds and current != int(seconds):
+            await self.collection.create_index(
+                [(f.FINISHED_AT, 1)], name=f.RETENTION_INDEX, expireAfterSeconds=int(seconds)
+            )
 
     async def _create(self, schema: Doc | None) -> None:
         extra: dict[str, Any] = {} if schema is None else {"validator": schema, "validationLevel": "moderate"}
@@ -189,14 +203,18 @@ class MongoStore:
         return self._task(doc)
 
     async def find(
-        self, *, state: TaskState | None = None, name: str | None = None, limit: int = 0
+        self,
+        *,
+        state: TaskState | None = None,
+        name: str | None = None,
+        worker_id: str | None = None,
+        limit: int = 0,
     ) -> list[Task]:
+        query = self._query(state, name)
+        if worker_id is not None:
+            query[f"{f.WORKERS}.{f.WORKER_ID}"] = worker_id
         with mapped_errors():
-            cursor = (
-                self.collection.find(self._query(state, name))
-                .sort([(f.CREATED_AT, 1), (f.ID, 1)])
-                .limit(limit)
-            )
+            cursor = self.collection.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit)
             return [t async for t in self._readable(cursor)]
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
@@ -282,7 +300,46 @@ class MongoStore:
             )
         if doc is None:
             raise TaskNotFound(key)
+        task = self._task(doc)
+        if task.state is not TaskState.CANCELED:
+            raise InvalidState(key, task.state.value, "cancel", "PENDING or RUNNING")
+        return task
+
+    async def retry(self, key: str) -> Task:
+        query = {f.KEY: key, f.STATE: {"$in": list(rules.RETRYABLE)}}
+        with mapped_errors():
+            doc = await self.collection.find_one_and_update(
+                query, x.retry_update(), return_document=ReturnDocument.AFTER
+            )
+        if doc is None:
+            task = await self.get(key)  # raises TaskNotFound
+            raise InvalidState(key, task.state.value, "retry", "FAIL or CANCELED")
         return self._task(doc)
+
+    async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
+        query = x.purge_filter([s.value for s in states], older_than * 1000)
+        with mapped_errors():
+            if dry_run:
+                return await self.collection.count_documents(query)
+            return (await self.collection.delete_many(query)).deleted_count
+
+    async def stats(self) -> TaskStats:
+        with mapped_errors():
+            [doc] = await (await self.collection.aggregate(x.stats_pipeline())).to_list()
+        counts: dict[str, dict[str, int]] = {}
+        for row in doc["by"]:
+            counts.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("state"))] = row["n"]
+        oldest = doc["oldest"][0]["oldest"] if doc["oldest"] else None
+        recent = {row["_id"]: row["n"] for row in doc["recent"]}
+        return TaskStats(
+            counts=counts,
+            running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
+            oldest_pending_seconds=(doc["now"] - oldest).total_seconds()
+            if isinstance(oldest, datetime)
+            else None,
+            finished_last_hour=recent.get("SUCCESS", 0) + recent.get("FAIL", 0),
+            failed_last_hour=recent.get("FAIL", 0),
+        )
 
     async def server_time(self) -> datetime:
         with mapped_errors():
@@ -291,14 +348,22 @@ class MongoStore:
         assert isinstance(now, datetime)
         return now if now.tzinfo else now.replace(tzinfo=UTC)
 
-    async def beat(self, worker: WorkerInfo, ttl: float) -> None:
-        info = worker.model_dump(by_alias=True, exclude={f.BEAT_AT, f.EXPIRES_AT})
+    async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
+        info = worker.model_dump(by_alias=True, exclude={f.BEAT_AT, f.EXPIRES_AT, f.STOP_REQUESTED})
         stamp = {f.BEAT_AT: x.NOW, f.EXPIRES_AT: {"$add": [x.NOW, ttl * 1000]}}
+        update = [{"$set": {**{k: {"$literal": v} for k, v in info.items()}, **stamp}}]
         with mapped_errors():
-            await self.registry.update_one(
-                {f.ID: worker.worker_id}, [{"$set": {**{k: {"$literal": v} for k, v in info.items()}, **stamp}}],
-                upsert=True,
+            doc = await self.registry.find_one_and_update(
+                {f.ID: worker.worker_id}, update, upsert=True, return_document=ReturnDocument.AFTER,
+                projection={f.STOP_REQUESTED: 1},
             )  # fmt: skip
+        return bool(doc and doc.get(f.STOP_REQUESTED))
+
+    async def request_stop(self, worker_id: str) -> bool:
+        live = {f.ID: worker_id, "$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}}
+        with mapped_errors():
+            result = await self.registry.update_one(live, {"$set": {f.STOP_REQUESTED: True}})
+        return result.matched_count == 1
 
     async def workers(self) -> list[WorkerInfo]:
         live = {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": "date"}}
@@ -310,8 +375,13 @@ class MongoStore:
         with mapped_errors():
             await self.registry.delete_one({f.ID: worker_id})
 
-    async def watch(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
-        pipeline = [{"$match": {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}}]
+    async def watch(
+        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+    ) -> ChangeStream:
+        match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
+        if key is not None:
+            match["fullDocument.key"] = key
+        pipeline = [{"$match": match}]
         with mapped_errors():
             stream = await self.collection.watch(
                 pipeline, full_document="updateLookup", resume_after=resume_after, max_await_time_ms=_AWAIT_MS

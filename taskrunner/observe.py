@@ -1,0 +1,32 @@
+"""What a worker reports as it works, for metrics (``taskrunner.metrics``) or your own hooks."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from taskrunner.models import Task, WorkerEntry
+
+Outcome = Literal["success", "failure", "lost", "released"]
+"""How a run ended: its own result or error, its claim lost (or self-fenced), or released."""
+
+
+class WorkerObserver(Protocol):
+    def claimed(self, task: Task, entry: WorkerEntry) -> None:
+        """A claim succeeded; ``entry.took_over`` is non-empty for a takeover."""
+
+    def finished(self, task: Task, outcome: Outcome, seconds: float) -> None:
+        """A run ended after ``seconds`` of handler time."""
+
+    def in_flight(self, count: int) -> None:
+        """The number of runs in progress changed."""
+
+
+class NullObserver:
+    def claimed(self, task: Task, entry: WorkerEntry) -> None:
+        return None
+
+    def finished(self, task: Task, outcome: Outcome, seconds: float) -> None:
+        return None
+
+    def in_flight(self, count: int) -> None:
+        return None
