@@ -10,6 +10,7 @@ from taskrunner.errors import (
     ConfigurationError,
     Fail,
     InvalidParams,
+    InvalidState,
     InvalidTask,
     MalformedTask,
     StoreError,
@@ -17,6 +18,7 @@ from taskrunner.errors import (
     TaskNotFound,
     TaskRunnerError,
     UnknownHandler,
+    WaitTimeout,
     WriteRejected,
 )
 from taskrunner.models import (
@@ -26,6 +28,7 @@ from taskrunner.models import (
     TaskError,
     TaskOptions,
     TaskState,
+    TaskStats,
     WorkerEntry,
     WorkerInfo,
 )
@@ -47,6 +50,7 @@ __all__ = [
     "EntryState",
     "Fail",
     "InvalidParams",
+    "InvalidState",
     "InvalidTask",
     "MalformedTask",
     "MemoryStore",
@@ -64,7 +68,9 @@ __all__ = [
     "TaskRunner",
     "TaskRunnerError",
     "TaskState",
+    "TaskStats",
     "UnknownHandler",
+    "WaitTimeout",
     "WorkerEntry",
     "WorkerInfo",
     "WriteRejected",

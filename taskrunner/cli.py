@@ -225,6 +225,9 @@ def worker(
         float,
         typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
     ] = 5.0,
+    beat_interval: Annotated[
+        float, typer.Option(envvar="TASKRUNNER_BEAT_INTERVAL", help="Seconds between registry beats (entry lives 5x).")
+    ] = 2.0,
     log_format: Annotated[
         LogFormatChoice, typer.Option(envvar="TASKRUNNER_LOG_FORMAT")
     ] = LogFormatChoice.console,
@@ -246,8 +249,8 @@ def worker(
         fail(str(exc))
     runner = make_runner(mongo_uri, database, collection, timeout, app_ref)
     try:
-        process = Worker(runner, concurrency=concurrency, worker_id=worker_id,
-                         shutdown_timeout=shutdown_timeout, poll_interval=poll_interval)  # fmt: skip
+        process = Worker(runner, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
+                         poll_interval=poll_interval, beat_interval=beat_interval)  # fmt: skip
     except TaskRunnerError as exc:
         fail(str(exc))
     run(_closing(runner, _run_until_signalled(process)))

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
 from taskrunner import fields as f
-from taskrunner.errors import InvalidTask
-from taskrunner.models import NewTask, Task, TaskOptions, invalid_task
+from taskrunner.errors import InvalidTask, StoreError, WaitTimeout
+from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
 from taskrunner.registry import Registration, Registry, plain_params
 
 if TYPE_CHECKING:
-    from taskrunner.store.base import Store
+    from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
 H = TypeVar("H", bound=Callable[..., Any])
@@ -133,9 +135,104 @@ class TaskRunner:
     async def get(self, key: str) -> Task:
         return await self.store.get(key)
 
-    async def init(self, *, validator: bool = False) -> None:
-        """Create the collection's indexes (idempotent), optionally the validator."""
-        await self.store.init(validator=validator)
+    # The issue's API is wait(key, timeout=...), like TaskFlow's job.wait and BullMQ's
+    # waitUntilFinished; asyncio.timeout() around it works too.
+    async def wait(
+        self,
+        key: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        *,
+        poll_interval: float = 1.0,
+    ) -> Task:
+        """Wait until the task is SUCCESS, FAIL or CANCELED and return it: ``task.results``
+        holds its successful runs' results, ``task.errors`` its failures' error records.
+
+        Follows the change stream and re-reads the task every ``poll_interval`` seconds
+        (the fallback when the server has no change streams). Raises ``WaitTimeout``
+        after ``timeout`` seconds, and ``TaskNotFound`` for an unknown key.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream = await self._watch_quietly(key)
+        try:
+            task = await self.store.get(key)
+            while not task.state.finished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise WaitTimeout(key, timeout or 0.0, task)
+                step = poll_interval if remaining is None else min(poll_interval, remaining)
+                task = await self._next_version(key, stream, step)
+            return task
+        finally:
+            if stream is not None:
+                with suppress(StoreError):
+                    await stream.close()
+
+    async def _watch_quietly(self, key: str) -> ChangeStream | None:
+        try:
+            return await self.store.watch(key=key)
+        except StoreError:
+            return None  # no change streams here: polling alone still honours the timeout
+
+    async def _next_version(self, key: str, stream: ChangeStream | None, wait: float) -> Task:
+        if stream is not None:
+            with suppress(StoreError):
+                event = await stream.next(wait)
+                if event is not None and event.task is not None:
+                    return event.task
+                return await self.store.get(key)
+        await asyncio.sleep(wait)
+        return await self.store.get(key)
+
+    async def cancel(self, key: str) -> Task:
+        """Cancel a task: a pending one never starts; running handlers are cancelled at
+        their next ping (``CancelledError`` in the handler). Raises ``InvalidState`` for a
+        task that already succeeded or failed."""
+        return await self.store.cancel(key)
+
+    async def retry(self, key: str) -> Task:
+        """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
+        return await self.store.retry(key)
+
+    async def purge(self, states: Iterable[TaskState], older_than: float, *, dry_run: bool = False) -> int:
+        """Delete finished tasks in ``states`` older than ``older_than`` seconds; returns how many
+        (with ``dry_run``, how many would be)."""
+        chosen = list(states)
+        if not chosen or any(not s.finished for s in chosen):
+            raise InvalidTask("state", "purge takes finished states only: SUCCESS, FAIL, CANCELED")
+        return await self.store.purge(chosen, older_than, dry_run=dry_run)
+
+    async def list_tasks(
+        self,
+        *,
+        state: TaskState | None = None,
+        name: str | None = None,
+        worker_id: str | None = None,
+        limit: int = 100,
+    ) -> list[Task]:
+        """Tasks, oldest first, filtered by state, name and worker."""
+        return await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
+
+    async def stats(self) -> TaskStats:
+        return await self.store.stats()
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Live workers from the registry (dead ones age out after their last beat)."""
+        return await self.store.workers()
+
+    async def stop_worker(self, worker_id: str) -> bool:
+        """Ask a live worker to shut down gracefully (it notices at its next beat)."""
+        return await self.store.request_stop(worker_id)
+
+    async def init(
+        self, *, validator: bool = False, retain_finished: float | timedelta | None = None
+    ) -> None:
+        """Create the collection's indexes (idempotent), optionally the validator, and
+        with ``retain_finished`` a TTL index so MongoDB deletes tasks that long after they
+        finish (0 removes it)."""
+        seconds = (
+            retain_finished.total_seconds() if isinstance(retain_finished, timedelta) else retain_finished
+        )
+        await self.store.init(validator=validator, retain_finished=seconds)
 
     async def close(self) -> None:
         if self._store is not None:
@@ -174,6 +271,7 @@ class TaskRunner:
         worker_id: str | None = None,
         shutdown_timeout: float = 0.5,
         poll_interval: float = 5.0,
+        beat_interval: float = 2.0,
     ) -> None:
         """Run a worker for this runner's handlers until it is cancelled or stopped.
 
@@ -182,8 +280,8 @@ class TaskRunner:
         """
         from taskrunner.worker import Worker
 
-        worker = Worker(self, concurrency=concurrency, worker_id=worker_id,
-                        shutdown_timeout=shutdown_timeout, poll_interval=poll_interval)  # fmt: skip
+        worker = Worker(self, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
+                        poll_interval=poll_interval, beat_interval=beat_interval)  # fmt: skip
         runner = asyncio.create_task(worker.run())
         try:
             await asyncio.shield(runner)

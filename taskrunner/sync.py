@@ -46,6 +46,15 @@ class SyncTaskRunner:
     def init(self, *, validator: bool = False) -> None:
         self._call(self._runner.init(validator=validator))
 
+    def wait(self, key: str, timeout: float | None = None, *, poll_interval: float = 1.0) -> Task:
+        return self._call(self._runner.wait(key, timeout, poll_interval=poll_interval))
+
+    def cancel(self, key: str) -> Task:
+        return self._call(self._runner.cancel(key))
+
+    def retry(self, key: str) -> Task:
+        return self._call(self._runner.retry(key))
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
