@@ -226,7 +226,10 @@ def worker(
         typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
     ] = 5.0,
     beat_interval: Annotated[
-        float, typer.Option(envvar="TASKRUNNER_BEAT_INTERVAL", help="Seconds between registry beats (entry lives 5x).")
+        float,
+        typer.Option(
+            envvar="TASKRUNNER_BEAT_INTERVAL", help="Seconds between registry beats (entry lives 5x)."
+        ),
     ] = 2.0,
     log_format: Annotated[
         LogFormatChoice, typer.Option(envvar="TASKRUNNER_LOG_FORMAT")
