@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
 
 MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before it is dropped
-CLAIM_STEP = 0.05  # seconds each rendezvous rank waits before claiming a newly due task
-MAX_RANK_DELAY = 8 * CLAIM_STEP
+# Seconds each rendezvous rank waits before claiming a newly due task. It adapts: a claim
+# that finds nothing (another worker won) widens it, a won claim narrows it again.
+MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.05, 0.25
+MAX_RANKS = 8
 
 
 def default_worker_id() -> str:
@@ -91,6 +93,7 @@ class Worker:
         self.beat_interval = beat_interval
         self.started_at = datetime.now(UTC)
         self.peers: list[WorkerInfo] = []
+        self.claim_step = MIN_CLAIM_STEP
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
         self._stop = asyncio.Event()
@@ -111,7 +114,7 @@ class Worker:
         if at is None:
             return None
         mine = 0 if self.worker_id in task.options.worker_ids else 1
-        delay = 0.0 if mine == 0 else min(self.rank(task) * CLAIM_STEP, MAX_RANK_DELAY)
+        delay = 0.0 if mine == 0 else min(self.rank(task), MAX_RANKS) * self.claim_step
         return at.timestamp() + delay, (mine, -task.priority, task.created_at.timestamp())
 
     def rank(self, task: Task) -> int:
@@ -205,8 +208,10 @@ class Worker:
             await asyncio.sleep(random.uniform(0.5, 1.5))
             return None
         if claim is None:
+            self.claim_step = min(self.claim_step * 1.5, MAX_CLAIM_STEP)
             self._missed(due)
             return None
+        self.claim_step = max(self.claim_step * 0.9, MIN_CLAIM_STEP)
         self.queue.discard(claim.task.key)
         self._misses.pop(claim.task.key, None)
         return claim
