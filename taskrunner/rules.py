@@ -100,26 +100,47 @@ def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
         or (allowed and worker_id not in allowed)
     ):
         return False
+    if claimable_at > now or _numbers(doc) is None:
+        return False
     entries = _entries(doc)
     mine = [w for w in entries if w.get(f.WORKER_ID) == worker_id]
-    if any(w.get(f.STATE) == EntryState.SUCCESS.value or is_live(w, now) for w in mine):
-        return False
-    return _has_budget(doc, entries, now) and claimable_at <= now
+    mine_active = any(w.get(f.STATE) == EntryState.SUCCESS.value or is_live(w, now) for w in mine)
+    return (not mine_active and _has_budget(doc, entries, now)) or reapable(doc, now)
+
+
+def _numbers(doc: Doc) -> tuple[float, float, float] | None:
+    values = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)), _num(doc.get(f.FAILURES)))
+    return None if None in values else values  # type: ignore[return-value]
 
 
 def _has_budget(doc: Doc, entries: list[Doc], now: datetime) -> bool:
-    concurrency = _num(option(doc, f.CONCURRENCY))
-    max_failures = _num(option(doc, f.MAX_FAILURES))
-    failures = _num(doc.get(f.FAILURES))
-    if concurrency is None or max_failures is None or failures is None:
-        return False
+    concurrency, max_failures, failures = _numbers(doc) or (0.0, 0.0, 0.0)
     expired = sum(is_expired(w, now) for w in entries)
     live = sum(is_live(w, now) for w in entries)
     return failures + expired < max_failures and successes(doc) + live < concurrency
 
 
+def reapable(doc: Doc, now: datetime) -> bool:
+    """Only dead leases remain and counting them spends the budget: the task must end FAIL.
+
+    The claim that finds such a task drops those leases and adds no entry, so a task
+    whose last allowed run died does not stay RUNNING forever."""
+    numbers, entries = _numbers(doc), _entries(doc)
+    if numbers is None or any(is_live(w, now) for w in entries):
+        return False
+    expired = sum(is_expired(w, now) for w in entries)
+    return expired > 0 and numbers[2] + expired >= numbers[1]
+
+
 def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
-    """Drop expired leases (each spends one failure), append this worker's entry."""
+    """Drop expired leases (each spends one failure), append this worker's entry
+    (none when the task is ``reapable``: then it just ends)."""
+    if reapable(doc, now):
+        expired = [w for w in _entries(doc) if is_expired(w, now)]
+        doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
+        doc[f.WORKERS] = [w for w in _entries(doc) if w not in expired]
+        summarize(doc, now)
+        return
     entries = _entries(doc)
     expired = [w for w in entries if is_expired(w, now)]
     doc[f.FAILURES] = doc[f.FAILURES] + len(expired)

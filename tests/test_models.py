@@ -89,10 +89,14 @@ def test_claim_drops_expired_leases_and_counts_them() -> None:
 
 
 def test_expired_leases_count_against_the_budget_before_claiming() -> None:
-    """With max_failures=1 a task whose only run died cannot be claimed again (poison guard)."""
+    """With max_failures=1 a task whose only run died is not run again: the next claim ends it FAIL."""
     doc = doc_for(ping_interval=1, ping_timeout=2, max_failures=1)
     rules.apply_claim(doc, "w1", "r1", NOW)
-    assert not rules.claimable_by(doc, "w2", NOW + timedelta(seconds=3))
+    later = NOW + timedelta(seconds=3)
+    assert rules.reapable(doc, later) and rules.claimable_by(doc, "w2", later)
+    rules.apply_claim(doc, "w2", "r2", later)
+    assert doc[f.WORKERS] == [] and doc[f.FAILURES] == 1 and doc[f.STATE] == "FAIL"
+    assert doc[f.FINISHED_AT] == later and f.CLAIMABLE_AT not in doc
 
 
 def test_every_filter_field_has_an_index() -> None:

@@ -407,3 +407,17 @@ async def _raw_docs(store: Store) -> AsyncIterator[dict[str, Any]]:
         assert isinstance(store, MongoStore)
         async for doc in store.collection.find():
             yield doc
+
+
+async def test_a_dead_lease_that_spends_the_budget_ends_the_task(store: Store) -> None:
+    """When the last allowed run's worker died, the next claim attempt ends the task FAIL
+    (instead of leaving it RUNNING forever) and claims nothing."""
+    await publish(store, task("last", options={"ping_interval": 0.2, "ping_timeout": 0.5, "max_failures": 1}))
+    dead = await store.claim("w1", key="last")
+    assert dead is not None
+    await asyncio.sleep(0.8)
+    assert await store.claim("w2", key="last") is None
+    ended = await store.get("last")
+    assert (ended.state, ended.failures, ended.workers, ended.attempts) == (TaskState.FAIL, 1, [], 1)
+    assert ended.finished_at is not None and ended.claimable_at is None
+    assert (await store.retry("last")).state is TaskState.PENDING

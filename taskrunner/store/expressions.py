@@ -116,6 +116,13 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
     """Everything ``rules.claimable_by`` checks, evaluated by the server at ``$$NOW``."""
     me = {"$literal": worker_id}
     mine_active = {"$and": [{"$eq": [_w(f.WORKER_ID), me]}, {"$or": [IS_SUCCESS, IS_LIVE]}]}
+    claimable = {
+        "$and": [
+            {"$eq": [count(mine_active), 0]},
+            {"$lt": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
+            {"$lt": [{"$add": [count(IS_SUCCESS), count(IS_LIVE)]}, CONCURRENCY]},
+        ]
+    }
     return {
         f.STATE: {"$in": list(ACTIVE)},
         f.CLAIMABLE_AT: {"$type": "date"},
@@ -124,17 +131,28 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
         "$expr": {
             "$and": [
                 {"$lte": [f.ref(f.CLAIMABLE_AT), NOW]},
-                {"$eq": [count(mine_active), 0]},
                 _is_number(f.FAILURES),
-                {"$lt": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
-                {"$lt": [{"$add": [count(IS_SUCCESS), count(IS_LIVE)]}, CONCURRENCY]},
+                _is_number(f.opt(f.CONCURRENCY)),
+                _is_number(f.opt(f.MAX_FAILURES)),
+                {"$or": [claimable, REAPABLE]},
             ]
         },
     }
 
 
+# ``rules.reapable``: only dead leases remain and counting them spends the budget.
+REAPABLE: Expr = {
+    "$and": [
+        {"$eq": [count(IS_LIVE), 0]},
+        {"$gt": [count(IS_EXPIRED), 0]},
+        {"$gte": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
+    ]
+}
+
+
 def claim_update(worker_id: str, run_id: str) -> list[Expr]:
-    """Drop expired leases (each spends a failure) and append this worker's entry."""
+    """Drop expired leases (each spends a failure) and append this worker's entry, or
+    none when the task is ``REAPABLE`` (it then ends FAIL)."""
     entry = {
         f.WORKER_ID: {"$literal": worker_id},
         f.RUN_ID: {"$literal": run_id},
@@ -150,11 +168,15 @@ def claim_update(worker_id: str, run_id: str) -> list[Expr]:
         f.TOOK_OVER: {"$map": {"input": entries(IS_EXPIRED), "as": "w", "in": _w(f.WORKER_ID)}},
     }
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
+    reap = "$_tr_reap"
     return [
-        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, f.ATTEMPTS: attempts}},
-        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), [entry]]}}},
+        {"$set": {"_tr_reap": REAPABLE}},
+        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]},
+                  f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]}}},
+        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, [], [entry]]}]}}},
+        {"$unset": ["_tr_reap"]},
         *summary_stages(),
-    ]
+    ]  # fmt: skip
 
 
 def entry_filter(key: str, run_id: str) -> dict[str, Any]:

@@ -141,6 +141,8 @@ class MemoryStore:
         run_id = uuid.uuid4().hex
         rules.apply_claim(doc, worker_id, run_id, now)
         self._emit("update", doc)
+        if rules.running_entry(doc, run_id) is None:
+            return None  # the task's dead leases spent its budget: it was ended, not claimed
         try:
             return Claim(self._task(doc), run_id)
         except MalformedTask as exc:

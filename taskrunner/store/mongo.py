@@ -254,8 +254,8 @@ class MongoStore:
                 sort=CLAIM_SORT,
                 return_document=ReturnDocument.AFTER,
             )
-        if doc is None:
-            return None
+        if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
+            return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
             return Claim(self._task(doc), run_id)
         except MalformedTask as exc:

@@ -1,0 +1,388 @@
+"""Every mongo-shell query in docs/*.md runs in the real ``mongosh`` and returns what the docs say.
+
+The convention (docs/operations.md, "Mongo-shell queries"): a ```js fenced block is one
+mongo-shell **expression** (comments allowed, no ``use``), and the line right before its
+fence is an HTML comment naming the expected result:
+
+- ``<!-- expect: count=3 -->``: the result (a cursor, an array or a number) has 3 documents
+  or is the number 3;
+- ``<!-- expect: keys=["img:43","img:44"] -->``: the documents' ``key`` fields, in this order;
+- ``<!-- expect: keyset=["mail:1","mail:4"] -->``: the same in any order;
+- ``<!-- expect: match=[{"_id": "w1", "n": 2}] -->``: the relaxed EJSON result contains this
+  (objects: every listed field, recursively; arrays: same length, element by element;
+  the string ``"<date>"`` matches any date).
+
+Sample documents (not queries) use other fence languages (``jsonc``); a block in any
+other language that runs ``db.`` commands fails the test, as does an expectation with
+no query under it. The queries run against a fresh ``taskrunner dev-server`` with sample
+data published through the Python API and driven through states with the store API,
+plus raw updates for what only time can do (expired leases, old timestamps). With
+``TASKRUNNER_TEST_MONGO_URI`` they also run against that MongoDB, in a scratch database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import pytest
+from mongosh import mongosh_path
+from pymongo import AsyncMongoClient, MongoClient
+
+from taskrunner import TaskRunner
+from taskrunner.models import TaskError, WorkerInfo
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+EXPECT = re.compile(r"<!--\s*expect:\s*(?P<kind>count|keys|keyset|match)=(?P<value>.*?)\s*-->")
+FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
+SHELL_COMMAND = re.compile(r"^\s*db(\.|\[)", re.MULTILINE)
+ANY_DATE = "<date>"
+
+# The sample workers: A and B are alive, C stopped beating (its leases expired).
+A, B, C = "host-1234-ab12cd", "host-5678-ef34ab", "host-9012-cd56ef"
+
+
+@dataclass(frozen=True)
+class Query:
+    """One ```js block of a doc and the expectation written above it."""
+
+    file: str
+    line: int
+    code: str
+    kind: str | None
+    expected: Any
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def parse_docs(docs: Path = DOCS) -> tuple[list[Query], list[str]]:
+    """All ```js blocks of ``docs/*.md`` with their expectations, and every convention breach."""
+    queries: list[Query] = []
+    problems: list[str] = []
+    for path in sorted(docs.glob("*.md")):
+        lines = path.read_text().splitlines()
+        index = 0
+        while index < len(lines):
+            opening = FENCE.match(lines[index])
+            if opening is None:
+                if EXPECT.fullmatch(lines[index].strip()) and not _opens_js(lines, index + 1):
+                    problems.append(f"{path.name}:{index + 1}: expectation not followed by a ```js block")
+                index += 1
+                continue
+            end = next((i for i in range(index + 1, len(lines)) if FENCE.match(lines[i])), len(lines))
+            code = "\n".join(lines[index + 1 : end])
+            where = f"{path.name}:{index + 1}"
+            if opening["lang"] == "js":
+                query, problem = _query(path.name, index + 1, code, lines[index - 1] if index else "")
+                queries.append(query)
+                if problem:
+                    problems.append(f"{where}: {problem}")
+            elif SHELL_COMMAND.search(code):
+                problems.append(f"{where}: mongo-shell commands in a ```{opening['lang']} block, not ```js")
+            index = end + 1
+    return queries, problems
+
+
+def _opens_js(lines: list[str], index: int) -> bool:
+    opening = FENCE.match(lines[index]) if index < len(lines) else None
+    return opening is not None and opening["lang"] == "js"
+
+
+def _query(file: str, line: int, code: str, before: str) -> tuple[Query, str | None]:
+    found = EXPECT.fullmatch(before.strip())
+    if found is None:
+        return Query(
+            file, line, code, None, None
+        ), "```js block without <!-- expect: ... --> on the line above"
+    try:
+        expected = json.loads(found["value"])
+    except json.JSONDecodeError as exc:
+        return Query(file, line, code, None, None), f"expectation is not JSON: {exc}"
+    return Query(file, line, code, found["kind"], expected), None
+
+
+QUERIES, PROBLEMS = parse_docs()
+
+
+def test_every_js_block_is_a_query_with_an_expectation() -> None:
+    """Each ```js block has an expectation, each expectation a block, and shell code is only in ```js."""
+    assert PROBLEMS == []
+    assert {q.file for q in QUERIES} >= {"operations.md", "schema.md"}
+
+
+# -- the server and its sample data ----------------------------------------------------
+
+
+@contextmanager
+def _dev_server() -> Iterator[str]:
+    """``taskrunner dev-server --port 0`` as a subprocess; yields the URI it printed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        uri = process.stdout.readline().strip()
+        assert uri.startswith("mongodb://"), process.stderr and process.stderr.read()
+        yield uri
+    finally:
+        process.kill()
+        process.communicate()
+
+
+async def _load_sample(uri: str, database: str) -> None:
+    """Tasks in every state the docs' queries look for, with timestamps relative to server now."""
+    runner = TaskRunner(uri, database=database, collection="tasks")
+    store = runner.store
+    raw: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri)
+    tasks, registry = raw[database]["tasks"], raw[database]["tasks.workers"]
+
+    async def publish(name: str, key: str, **options: Any) -> None:
+        await runner.publish(name, {"n": key}, key=key, **options)
+        await asyncio.sleep(0.01)  # distinct created_at
+
+    async def claim(worker_id: str, key: str) -> str:
+        claimed = await store.claim(worker_id, key=key)
+        assert claimed is not None, (worker_id, key)
+        return claimed.run_id
+
+    async def fail(worker_id: str, key: str, kind: str, message: str) -> None:
+        await store.fail(key, await claim(worker_id, key), TaskError(type=kind, message=message))
+
+    async def backdate(key: str, worker_id: str | None = None, **ago: timedelta) -> None:
+        """Move task fields (or one worker entry's) into the past."""
+        prefix = "" if worker_id is None else "workers.$."
+        match = {"key": key} if worker_id is None else {"key": key, "workers.worker_id": worker_id}
+        result = await tasks.update_one(match, {"$set": {prefix + k: now - d for k, d in ago.items()}})
+        assert result.modified_count == 1, (key, worker_id, ago)
+
+    try:
+        await runner.init()
+        now = await store.server_time()
+        # resize: three PENDING (claim order img:43, img:44, img:41) and img:42 RUNNING on A.
+        await publish("resize", "img:41")
+        await publish("resize", "img:43", priority=5)
+        await publish("resize", "img:44", priority=5)
+        await publish("resize", "img:42", priority=5)
+        await store.ping("img:42", await claim(A, "img:42"))
+        # email: mail:1 and mail:4 RUNNING on C whose lease expired; mail:4 had one failure to spend.
+        for key, budget in (("mail:1", 3), ("mail:4", 1)):
+            await publish("email", key, max_failures=budget)
+            await claim(C, key)
+            minute = timedelta(minutes=1)
+            await backdate(key, C, claimed_at=5 * minute, ping_at=1.5 * minute, expires_at=minute)
+            await backdate(key, claimable_at=minute)
+        # mail:2 failed on A a moment ago and runs on B; mail:3 spent its one failure on A.
+        await publish("email", "mail:2", retry_backoff=0)
+        await fail(A, "mail:2", "SMTPError", "connection refused")
+        await store.ping("mail:2", await claim(B, "mail:2"))
+        await publish("email", "mail:3", max_failures=1)
+        await fail(A, "mail:3", "SMTPError", "mailbox full")
+        # report: rep:1 failed 3 h ago, then succeeded on B; rep:2 succeeded 10 days ago;
+        # rep:3 has run on B for 2 h (still pinging); rep:4 was canceled before it started.
+        await publish("report", "rep:1", max_failures=2, retry_backoff=0)
+        await fail(A, "rep:1", "TimeoutError", "query timed out")
+        await backdate("rep:1", A, claimed_at=timedelta(hours=3, minutes=1), finished_at=timedelta(hours=3))
+        await store.succeed("rep:1", await claim(B, "rep:1"), {"rows": 10})
+        await publish("report", "rep:2")
+        await store.succeed("rep:2", await claim(A, "rep:2"), {"rows": 3})
+        days = timedelta(days=10)
+        await backdate("rep:2", created_at=days, run_at=days, updated_at=days, finished_at=days)
+        await backdate("rep:2", A, claimed_at=days, ping_at=days, finished_at=days)
+        await publish("report", "rep:3")
+        await store.ping("rep:3", await claim(B, "rep:3"))
+        await backdate("rep:3", B, claimed_at=timedelta(hours=2))
+        await publish("report", "rep:4")
+        await store.cancel("rep:4")
+        # The registry: A and B beat; C stopped beating a minute ago.
+        for worker_id, names, running, ttl in (
+            (A, ["resize", "email"], ["img:42"], 60.0),
+            (B, ["email", "report"], ["mail:2", "rep:3"], 60.0),
+            (C, ["email"], ["mail:1", "mail:4"], 10.0),
+        ):
+            await store.beat(WorkerInfo(worker_id=worker_id, host=worker_id.rsplit("-", 2)[0], pid=1234,
+                                        started_at=now - timedelta(hours=3), names=names, concurrency=4,
+                                        running=running, version="0.1.0"), ttl=ttl)  # fmt: skip
+        ago = {"beat_at": now - timedelta(seconds=70), "expires_at": now - timedelta(seconds=60)}
+        await registry.update_one({"_id": C}, {"$set": ago})
+    finally:
+        await raw.close()
+        await runner.close()
+
+
+@dataclass(frozen=True)
+class Target:
+    """A server with the sample data loaded into ``database``."""
+
+    uri: str
+    database: str
+
+
+@pytest.fixture(scope="module", params=["embedded", "external"])
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """The dev server (always) and TASKRUNNER_TEST_MONGO_URI (when set, in a scratch database)."""
+    if request.param == "embedded":
+        with _dev_server() as uri:
+            asyncio.run(_load_sample(uri, "taskrunner"))
+            yield Target(uri, "taskrunner")
+        return
+    external = os.environ.get("TASKRUNNER_TEST_MONGO_URI")
+    if not external:
+        pytest.skip("TASKRUNNER_TEST_MONGO_URI not set")
+    database = f"taskrunner_docs_{uuid4().hex[:8]}"
+    asyncio.run(_load_sample(external, database))
+    try:
+        yield Target(external, database)
+    finally:
+        client: MongoClient[dict[str, Any]] = MongoClient(external)
+        with client:
+            client.drop_database(database)
+
+
+# -- running the queries ----------------------------------------------------------------
+
+_SCRIPT = """db = db.getSiblingDB({database});
+const result = (
+{code}
+);
+print(EJSON.stringify(result !== null && typeof result === "object" && typeof result.toArray === "function"
+  ? result.toArray() : result, {{relaxed: true}}));
+"""
+
+
+def _run(mongosh: Path, target: Target, query: Query, home: Path) -> Any:
+    """Evaluate the query in mongosh; its relaxed-EJSON result, or an AssertionError."""
+    code = query.code.rstrip().removesuffix(";")
+    script = _SCRIPT.format(database=json.dumps(target.database), code=code)
+    env = {**os.environ, "HOME": str(home), "DO_NOT_TRACK": "1"}
+    done = subprocess.run(
+        [str(mongosh), target.uri, "--quiet", "--norc", "--eval", script],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{query.id}: mongosh failed:\n{done.stderr or done.stdout}"
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"{query.id}: mongosh printed nothing:\n{done.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def results(target: Target, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every query's result (or the AssertionError it raised), run in parallel mongosh processes."""
+    mongosh = mongosh_path()
+    home = tmp_path_factory.mktemp("mongosh-home")
+
+    def run(query: Query) -> Any:
+        try:
+            return _run(mongosh, target, query, home)
+        except AssertionError as exc:
+            return exc
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return dict(zip([q.id for q in QUERIES], pool.map(run, QUERIES), strict=True))
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(600)  # the first run installs mongosh with npm
+@pytest.mark.parametrize("query", QUERIES, ids=[q.id for q in QUERIES])
+def test_doc_query_returns_what_the_doc_says(query: Query, results: dict[str, Any]) -> None:
+    """The query runs in mongosh and its result meets the expectation written above it."""
+    assert query.kind is not None, f"{query.id}: no expectation (see the convention above)"
+    result = results[query.id]
+    if isinstance(result, AssertionError):
+        raise result
+    check(query.kind, query.expected, result)
+
+
+def check(kind: str, expected: Any, result: Any) -> None:
+    """Assert one expectation (``count``, ``keys``, ``keyset`` or ``match``) of a relaxed-EJSON result."""
+    if kind == "count":
+        assert (len(result) if isinstance(result, list) else result) == expected, result
+    elif kind in ("keys", "keyset"):
+        assert isinstance(result, list), result
+        keys = [doc.get("key") for doc in result]
+        assert (keys if kind == "keys" else sorted(keys)) == (
+            expected if kind == "keys" else sorted(expected)
+        )
+    else:
+        mismatch = _mismatch(expected, result, "result")
+        assert mismatch is None, f"{mismatch}\nresult: {json.dumps(result)}"
+
+
+def _mismatch(expected: Any, actual: Any, path: str) -> str | None:
+    if expected == ANY_DATE:
+        ok = isinstance(actual, dict) and set(actual) == {"$date"} and _is_date(actual["$date"])
+        return None if ok else f"{path}: expected a date, got {actual!r}"
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return f"{path}: expected an object, got {actual!r}"
+        for name, value in expected.items():
+            if name not in actual:
+                return f"{path}.{name}: missing"
+            found = _mismatch(value, actual[name], f"{path}.{name}")
+            if found:
+                return found
+        return None
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return f"{path}: expected {len(expected)} items, got {actual!r}"
+        return next(
+            (m for i, (e, a) in enumerate(zip(expected, actual, strict=True))
+             if (m := _mismatch(e, a, f"{path}[{i}]"))),
+            None,
+        )  # fmt: skip
+    return None if expected == actual else f"{path}: expected {expected!r}, got {actual!r}"
+
+
+def _is_date(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def test_check_reads_the_convention() -> None:
+    """The expectation kinds accept what they describe and reject near misses."""
+    docs = [{"key": "a", "at": {"$date": "2026-01-01T00:00:00.000Z"}}, {"key": "b", "at": None}]
+    check("count", 2, docs)
+    check("count", 7, 7)
+    check("keys", ["a", "b"], docs)
+    check("keyset", ["b", "a"], docs)
+    check("match", [{"key": "a", "at": ANY_DATE}, {"key": "b"}], docs)
+    for kind, expected in [("count", 3), ("keys", ["b", "a"]), ("match", [{"key": "a"}]),
+                           ("match", [{"key": "a"}, {"at": ANY_DATE}]), ("match", [{"x": 1}, {}])]:  # fmt: skip
+        with pytest.raises(AssertionError):
+            check(kind, expected, docs)
+
+
+def test_parse_docs_flags_blocks_without_expectations(tmp_path: Path) -> None:
+    """A bare ```js block, a dangling expectation and shell code outside ```js are all reported."""
+    (tmp_path / "x.md").write_text(
+        '<!-- expect: count=1 -->\n```js\ndb.tasks.find()\n```\n\n```js\ndb.tasks.find()\n```\n'
+        '<!-- expect: count=2 -->\n\ntext\n```sh\necho\n```\n```text\ndb.tasks.drop()\n```\n'
+    )  # fmt: skip
+    queries, problems = parse_docs(tmp_path)
+    assert [(q.line, q.kind, q.expected) for q in queries] == [(2, "count", 1), (6, None, None)]
+    assert problems == [
+        "x.md:6: ```js block without <!-- expect: ... --> on the line above",
+        "x.md:9: expectation not followed by a ```js block",
+        "x.md:15: mongo-shell commands in a ```text block, not ```js",
+    ]
