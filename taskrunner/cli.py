@@ -1,7 +1,8 @@
 """The ``taskrunner`` command. Each command calls the public coroutine a user would.
 
 Every error ends in ``fail()``: one line on stderr naming the problem, exit code 1
-(typer reports bad arguments with exit code 2).
+(typer reports bad arguments with exit code 2; ``wait`` exits 3 when --within passes).
+The reference is docs/cli.md.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from taskrunner import fields as f
-from taskrunner.errors import TaskRunnerError
-from taskrunner.models import Task
+from taskrunner.errors import TaskRunnerError, WaitTimeout
+from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo, parse_duration
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
 
 if TYPE_CHECKING:
+    from taskrunner.observe import WorkerObserver
     from taskrunner.worker import Worker
 
 T = TypeVar("T")
@@ -97,16 +100,29 @@ async def _closing(runner: TaskRunner, coro: Coroutine[Any, Any, T]) -> T:
 @app.command()
 def init(
     validator: Annotated[bool, typer.Option(help="Also install the $jsonSchema validator.")] = False,
+    retain_finished: Annotated[
+        float | None,
+        typer.Option(
+            parser=_retention,
+            metavar="DURATION|off",
+            help="Delete tasks this long after they finish (TTL index); off removes it.",
+        ),
+    ] = None,
     mongo_uri: MongoUri = None,
     database: Database = None,
     collection: Collection = None,
     timeout: Timeout = 5.0,
 ) -> None:
-    """Create the task collection's indexes (idempotent)."""
+    """Create the task collection's indexes (idempotent); optionally the validator and retention."""
     runner = make_runner(mongo_uri, database, collection, timeout)
-    run(_closing(runner, runner.init(validator=validator)))
+    run(_closing(runner, runner.init(validator=validator, retain_finished=retain_finished)))
     out.print(f"initialised {runner.database}.{runner.collection}: indexes {', '.join(f.INDEXES)}"
-              + (" and validator" if validator else ""))  # fmt: skip
+              + (" and validator" if validator else ""), markup=False)  # fmt: skip
+    if retain_finished == 0:
+        out.print(f"retention off: no TTL index {f.RETENTION_INDEX}; finished tasks stay until purged")
+    elif retain_finished is not None:
+        seconds = int(retain_finished)
+        out.print(f"retention: TTL index {f.RETENTION_INDEX} deletes tasks {seconds} s after they finish")
 
 
 def _parse_params(text: str) -> Any:
@@ -194,13 +210,270 @@ def render_task(task: Task) -> None:
 
 def _entries_table(task: Task) -> Table:
     table = Table(title="workers")
-    for column in ("worker", "run", "state", "attempt", "claimed", "expires", "finished", "result / error"):
+    for column in ("worker", "run", "state", "attempt", "progress", "claimed", "expires", "finished",
+                   "result / error"):  # fmt: skip
         table.add_column(column)
     for w in task.workers:
-        outcome = f"{w.error.type}: {w.error.message}" if w.error else json.dumps(w.result)
-        table.add_row(w.worker_id, w.run_id[:8], w.state.value, str(w.attempt), str(w.claimed_at),
-                      str(w.expires_at), str(w.finished_at or "-"), outcome)  # fmt: skip
+        outcome = f"{w.error.type}: {w.error.message}" if w.error else json.dumps(w.result, default=str)
+        table.add_row(*map(_text, (w.worker_id, w.run_id[:8], w.state.value, w.attempt, _progress(w.progress),
+                                   w.claimed_at, w.expires_at, w.finished_at or "-", outcome)))  # fmt: skip
     return table
+
+
+def _progress(progress: Any) -> str:
+    """``{fraction, message}`` from ``ctx.progress`` as '40% message'."""
+    if not isinstance(progress, dict):
+        return "-" if progress is None else str(progress)
+    fraction, message = progress.get("fraction"), progress.get("message")
+    shown = f"{fraction:.0%}" if isinstance(fraction, int | float) else "?"
+    return f"{shown} {message}" if message else shown
+
+
+# -- operations: each command is one call of the TaskRunner API --------------------------
+
+
+class FinishedState(enum.StrEnum):
+    success = "success"
+    fail = "fail"
+    canceled = "canceled"
+
+
+def _seconds(text: str) -> float:
+    """A duration option ('90', '30s', '15m', '12h', '7d', '2w') in seconds."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _retention(text: str) -> float:
+    """``--retain-finished``: a duration of at least 1 s, or off/0 (remove the TTL index)."""
+    if text.strip().lower() in ("off", "none"):
+        return 0.0
+    seconds = _seconds(text)
+    if 0 < seconds < 1:
+        raise typer.BadParameter("must be at least 1s (TTL indexes count whole seconds), or off")
+    return seconds
+
+
+def _text(value: object) -> Text:
+    """A table cell shown verbatim (keys and messages may contain rich markup)."""
+    return Text(str(value))
+
+
+def _ago(moment: datetime | None, now: datetime) -> str:
+    if moment is None:
+        return "-"
+    seconds = max((now - moment).total_seconds(), 0.0)
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
+
+
+@app.command("list")
+def list_command(
+    state: Annotated[
+        TaskState | None, typer.Option(case_sensitive=False, help="Only tasks in this state.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
+    worker_id: Annotated[str | None, typer.Option("--worker", help="Only tasks this worker claimed.")] = None,
+    limit: Annotated[int, typer.Option(min=0, help="At most this many tasks (0: all).")] = 100,
+    as_json: Annotated[bool, typer.Option("--json", help="One task per line as JSON.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """List tasks, oldest first."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    tasks = run(_closing(runner, runner.list_tasks(state=state, name=name, worker_id=worker_id, limit=limit)))
+    if as_json:
+        for task in tasks:
+            print(task.model_dump_json())
+    else:
+        out.print(_tasks_table(tasks) if tasks else "no tasks match")
+
+
+def _tasks_table(tasks: list[Task]) -> Table:
+    table = Table(title=f"{len(tasks)} task{'' if len(tasks) == 1 else 's'}")
+    for column in ("key", "name", "state", "priority", "workers", "age", "last error"):
+        table.add_column(column, overflow="fold")
+    now = datetime.now(UTC)
+    for task in tasks:
+        error = task.last_error
+        entries = ", ".join(f"{w.worker_id} {w.state.value}" for w in task.workers) or "-"
+        table.add_row(*map(_text, (task.key, task.name, task.state.value, task.priority, entries,
+                                   _ago(task.created_at, now), f"{error.type}: {error.message}" if error else "-")))  # fmt: skip
+    return table
+
+
+@app.command()
+def cancel(
+    key: Annotated[str, typer.Argument(help="Task key.")],
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Cancel a PENDING or RUNNING task; running handlers stop at their next heartbeat."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    task = run(_closing(runner, runner.cancel(key)))
+    print(f"{task.key}: {task.state.value}")
+
+
+@app.command()
+def retry(
+    key: Annotated[str, typer.Argument(help="Task key.")],
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Make a FAIL or CANCELED task claimable again, with a fresh failure budget."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    task = run(_closing(runner, runner.retry(key)))
+    print(f"{task.key}: {task.state.value}")
+
+
+@app.command()
+def purge(
+    state: Annotated[
+        list[FinishedState], typer.Option(case_sensitive=False, help="Finished state to delete (repeatable).")
+    ],
+    older_than: Annotated[
+        float,
+        typer.Option(parser=_seconds, metavar="DURATION", help="Finished at least this long ago: 30s, 7d."),
+    ],
+    dry_run: Annotated[bool, typer.Option(help="Only count what would be deleted.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Delete finished tasks in the given states that finished longer ago than --older-than."""
+    states = [TaskState(s.value.upper()) for s in dict.fromkeys(state)]
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    count = run(_closing(runner, runner.purge(states, older_than, dry_run=dry_run)))
+    which = "/".join(s.value for s in states)
+    print(f"{'would delete' if dry_run else 'deleted'} {count} {which} task{'' if count == 1 else 's'}")
+
+
+@app.command("stats")
+def stats_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Task counts by name and state, the oldest pending task's age, the last hour's runs."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    numbers = run(_closing(runner, runner.stats()))
+    if as_json:
+        print(json.dumps({**numbers.model_dump(), "failure_rate_last_hour": numbers.failure_rate_last_hour}))
+        return
+    out.print(_counts_table(numbers))
+    oldest = numbers.oldest_pending_seconds
+    rate = numbers.failure_rate_last_hour
+    out.print(f"running: {numbers.running}; oldest pending: {'-' if oldest is None else f'{oldest:.1f} s'}")
+    out.print(f"last hour: {numbers.finished_last_hour} runs finished, {numbers.failed_last_hour} failed"
+              + ("" if rate is None else f" ({rate:.0%})"))  # fmt: skip
+
+
+def _counts_table(numbers: TaskStats) -> Table:
+    table = Table(title="tasks by name and state")
+    table.add_column("name")
+    for state in TaskState:
+        table.add_column(state.value, justify="right")
+    for name, counts in sorted(numbers.counts.items()):
+        table.add_row(_text(name), *(str(counts.get(s.value, 0)) for s in TaskState))
+    return table
+
+
+@app.command("workers")
+def workers_command(
+    as_json: Annotated[bool, typer.Option("--json", help="One worker per line as JSON.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Live workers from the registry (a dead worker disappears 5 beats after its last one)."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    infos = run(_closing(runner, runner.workers()))
+    if as_json:
+        for info in infos:
+            print(info.model_dump_json())
+    else:
+        out.print(_workers_table(infos) if infos else "no live workers")
+
+
+def _workers_table(infos: list[WorkerInfo]) -> Table:
+    table = Table(title=f"{len(infos)} live worker{'' if len(infos) == 1 else 's'}")
+    for column in ("worker", "host", "pid", "started", "last beat", "in flight", "version", "status"):
+        table.add_column(column, overflow="fold")
+    now = datetime.now(UTC)
+    for w in infos:
+        flight = f"{len(w.running)}/{w.concurrency}" + (f": {', '.join(w.running)}" if w.running else "")
+        table.add_row(*map(_text, (w.worker_id, w.host, w.pid, w.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+                                   f"{_ago(w.beat_at, now)} ago", flight, w.version or "-",
+                                   "stopping" if w.stop_requested else "running")))  # fmt: skip
+    return table
+
+
+@app.command("stop-worker")
+def stop_worker(
+    worker_id: Annotated[str, typer.Argument(help="Worker id (see `taskrunner workers`).")],
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Ask a live worker to stop gracefully: at its next beat it stops claiming, releases its claims, exits 0."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    if not run(_closing(runner, runner.stop_worker(worker_id))):
+        fail(f"no live worker with id {worker_id!r} (see `taskrunner workers`)")
+    print(f"stop requested: worker {worker_id} shuts down at its next beat")
+
+
+@app.command("wait")
+def wait_command(
+    key: Annotated[str, typer.Argument(help="Task key.")],
+    within: Annotated[
+        float | None,
+        typer.Option(parser=_seconds, metavar="DURATION", help="Give up after this long (exit 3)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the finished task as JSON.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Wait until a task finishes: exit 0 on SUCCESS, 1 on FAIL or CANCELED, 3 if --within passes."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    try:
+        task = asyncio.run(_closing(runner, runner.wait(key, within)))
+    except WaitTimeout as exc:
+        state = f" (still {exc.task.state.value})" if isinstance(exc.task, Task) else ""
+        err.print(f"error: {exc}{state}", markup=False)
+        raise typer.Exit(3) from None
+    except TaskRunnerError as exc:
+        fail(str(exc))
+    if as_json:
+        print(task.model_dump_json(indent=2))
+    else:
+        _print_outcome(task)
+    if task.state is not TaskState.SUCCESS:
+        raise typer.Exit(1)
+
+
+def _print_outcome(task: Task) -> None:
+    print(f"{task.key}: {task.state.value}")
+    if task.state is TaskState.SUCCESS:
+        print(f"results: {json.dumps(task.results, default=str)}")
+    elif task.last_error is not None:
+        print(f"last error: {task.last_error.type}: {task.last_error.message}")
 
 
 @app.command()
@@ -237,6 +510,22 @@ def worker(
     log_level: Annotated[
         str, typer.Option(envvar="TASKRUNNER_LOG_LEVEL", help="debug|info|warning|error.")
     ] = "info",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="TASKRUNNER_METRICS_PORT",
+            min=0,
+            max=65535,
+            help="Serve Prometheus metrics on this port (needs the metrics extra; 0: any free port).",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            envvar="TASKRUNNER_METRICS_HOST",
+            help="Address the metrics endpoint binds (all interfaces by default).",
+        ),
+    ] = "0.0.0.0",
     mongo_uri: MongoUri = None,
     database: Database = None,
     collection: Collection = None,
@@ -251,12 +540,33 @@ def worker(
     except ValueError as exc:
         fail(str(exc))
     runner = make_runner(mongo_uri, database, collection, timeout, app_ref)
+    observer = None if metrics_port is None else _metrics_observer(metrics_port, metrics_host, runner)
     try:
         process = Worker(runner, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
-                         poll_interval=poll_interval, beat_interval=beat_interval)  # fmt: skip
+                         poll_interval=poll_interval, beat_interval=beat_interval,
+                         observer=observer)  # fmt: skip
     except TaskRunnerError as exc:
         fail(str(exc))
     run(_closing(runner, _run_until_signalled(process)))
+
+
+def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserver:
+    """Start the Prometheus endpoint and return the observer that feeds it (docs/metrics.md)."""
+    import structlog
+
+    try:
+        from taskrunner.metrics import PrometheusObserver, serve_metrics
+    except ImportError as exc:
+        fail(f"--metrics-port: {exc}")
+    observer = PrometheusObserver(tasks=runner.registry.names())
+    try:
+        server, _ = serve_metrics(port, host=host)
+    except OSError as exc:
+        fail(f"--metrics-port: cannot serve metrics on {host}:{port}: {exc}")
+    structlog.get_logger("taskrunner.metrics").info(
+        "serving metrics", host=host, port=server.server_port, path="/metrics"
+    )
+    return observer
 
 
 async def _run_until_signalled(process: Worker) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import ValidationError
 
 from taskrunner import fields as f
-from taskrunner.errors import InvalidTask, StoreError, WaitTimeout
+from taskrunner.errors import InvalidTask, StoreError, StoreUnavailable, WaitTimeout
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
 from taskrunner.registry import Registration, Registry, plain_params
 
@@ -170,6 +170,8 @@ class TaskRunner:
     async def _watch_quietly(self, key: str) -> ChangeStream | None:
         try:
             return await self.store.watch(key=key)
+        except StoreUnavailable:
+            raise  # an unreachable server fails now, not after a second server timeout
         except StoreError:
             return None  # no change streams here: polling alone still honours the timeout
 

@@ -1,0 +1,51 @@
+"""The operations tests' app: the acceptance handlers plus one reporting progress and one gated by a file.
+
+Marks go where tests/apps/acceptance_app.py puts them (``$ACCEPTANCE_MARKS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from apps.acceptance_app import mark, runner
+from taskrunner import TaskContext
+
+__all__ = ["runner"]
+
+
+class ProgressParams(BaseModel):
+    seconds: float
+    fraction: float = 0.25
+    message: str = "quarter done"
+
+
+@runner.task("progress_sleep")
+async def progress_sleep(params: ProgressParams, ctx: TaskContext) -> dict[str, Any]:
+    """Report progress, then sleep (cancellably; a ``cancelled`` mark records ``ctx.cancelled``)."""
+    mark("start", ctx)
+    await ctx.progress(params.fraction, params.message)
+    try:
+        await asyncio.sleep(params.seconds)
+    except asyncio.CancelledError:
+        mark("cancelled", ctx, ctx_cancelled=ctx.cancelled)
+        raise
+    mark("finish", ctx)
+    return {"slept": params.seconds}
+
+
+class GateParams(BaseModel):
+    broken_while: str
+    """Path of a marker file: the handler fails while it exists."""
+
+
+@runner.task("gated")
+def gated(params: GateParams, ctx: TaskContext) -> str:
+    mark("start", ctx)
+    if Path(params.broken_while).exists():
+        raise RuntimeError(f"broken while {params.broken_while} exists")
+    mark("finish", ctx)
+    return "repaired"
