@@ -154,6 +154,8 @@ async def _load_sample(uri: str, database: str) -> None:
     tasks, registry = raw[database]["tasks"], raw[database]["tasks.workers"]
 
     async def publish(name: str, key: str, **options: Any) -> None:
+        # Hour-long leases: live sample runs must stay live however slowly mongosh runs.
+        options = {"ping_interval": 60, "ping_timeout": 3600, **options}
         await runner.publish(name, {"n": key}, key=key, **options)
         await asyncio.sleep(0.01)  # distinct created_at
 
