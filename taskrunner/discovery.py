@@ -26,6 +26,7 @@ from taskrunner.store.base import ChangeEvent, ChangeStream, Store
 
 ClaimTime = Callable[[Task], tuple[float, Rank] | None]
 log = structlog.get_logger("taskrunner.discovery")
+MAX_BACKOFF = 3.0  # seconds between reconnect attempts while the server is away (before jitter)
 
 
 class Discovery:
@@ -81,7 +82,7 @@ class Discovery:
                     await self._poll(stop)
                 else:
                     await self._stream(stop)
-                self._failures = 0
+                self._recovered()
             except ChangeStreamsUnsupported as exc:
                 self.polling = True
                 log.warning("no change streams on this server; polling instead",
@@ -107,7 +108,7 @@ class Discovery:
         while not stop.is_set():
             event = await stream.next(0.5)
             self._token = stream.resume_token
-            self._failures = 0
+            self._recovered()
             if event is not None:
                 self.on_event(event)
             if self.queue.overflowed and len(self.queue) < self.queue.capacity // 2:
@@ -116,14 +117,23 @@ class Discovery:
     async def _poll(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.scan()
+            self._recovered()
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.poll_interval)
 
+    def _recovered(self) -> None:
+        if self._failures:
+            log.info("discovery recovered", failures=self._failures)
+            self._failures = 0
+
     async def _back_off(self, stop: asyncio.Event, exc: StoreError) -> None:
-        # One log line per outage, then quiet retries with jittered exponential backoff.
+        # One log line per outage, then quiet retries with jittered exponential backoff,
+        # capped low enough that the worker is back within seconds of the server.
         if self._failures == 0:
             log.error("discovery lost the server; retrying", error=redact(str(exc)))
+        else:
+            log.debug("discovery lost the server; retrying", error=redact(str(exc)), failures=self._failures)
         self._failures += 1
-        delay = min(30.0, 0.2 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
+        delay = min(MAX_BACKOFF, 0.2 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
         with suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay)

@@ -1,0 +1,1 @@
+"""Fault-injection tests: bad input, security, network, crashes."""
