@@ -151,6 +151,9 @@ def publish(
         float | None, typer.Option(help="Seconds without heartbeat before takeover.")
     ] = None,
     worker_id: Annotated[list[str] | None, typer.Option(help="Allowed worker (repeatable).")] = None,
+    run_timeout: Annotated[
+        float | None, typer.Option(help="Seconds each handler call may take (task option timeout).")
+    ] = None,
     update_pending: Annotated[bool, typer.Option(help="Update a task no worker has started.")] = False,
     republish_finished: Annotated[bool, typer.Option(help="Start a finished key afresh.")] = False,
     app_ref: AppRef = None,
@@ -163,7 +166,7 @@ def publish(
     runner = make_runner(mongo_uri, database, collection, timeout, app_ref)
     options = {"concurrency": concurrency, "max_failures": max_failures, "local_retries": local_retries,
                "retry_backoff": retry_backoff, "ping_interval": ping_interval, "ping_timeout": ping_timeout,
-               "worker_ids": worker_id or None}  # fmt: skip
+               "worker_ids": worker_id or None, "timeout": run_timeout}  # fmt: skip
     task = run(_closing(runner, runner.publish(
         name, _parse_params(params), key=key, priority=priority, delay=delay, run_at=run_at,
         update_pending=update_pending, republish_finished=republish_finished,

@@ -11,6 +11,7 @@ same), and a run stopped for shutdown releases its claim without spending budget
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 import traceback
@@ -34,6 +35,7 @@ from taskrunner.errors import (
 )
 from taskrunner.models import TaskError, TaskState
 from taskrunner.observe import NullObserver, WorkerObserver
+from taskrunner.outage import Outage
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
 from taskrunner.store.base import Claim, Store
@@ -106,6 +108,7 @@ class Execution:
         self.stopped: Stop | None = None
         self.ctx: TaskContext | None = None
         self._handler: asyncio.Task[Outcome] | None = None
+        self._pings = Outage(self.log, "ping failed; retrying", "ping recovered")
 
     def stop(self, reason: Stop) -> None:
         if self.stopped is None:
@@ -162,7 +165,7 @@ class Execution:
         retries, backoff = self.task.options.local_retries, self.task.options.retry_backoff
         for attempt in range(retries + 1):
             try:
-                return Outcome(result=storable(await self._call(registration, ctx)))
+                return Outcome(result=storable(await self._call(registration, self.ctx or ctx)))
             except asyncio.CancelledError:
                 raise
             except (Fail, UnstorableResult) as exc:
@@ -175,11 +178,28 @@ class Execution:
         raise AssertionError("unreachable")
 
     async def _call(self, registration: Registration, ctx: TaskContext) -> Any:
+        """One call of the handler, bounded by the task's ``timeout`` option (per call).
+
+        A timed-out async handler is cancelled. A sync handler's thread cannot be killed:
+        its ``ctx.cancelled`` is set (handlers should check it) and the failure is recorded
+        anyway; a local retry gets a fresh context.
+        """
+        timeout = self.task.options.timeout
         args = (ctx.params, ctx) if registration.wants_context else (ctx.params,)
-        if registration.is_async:
-            return await registration.handler(*args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: registration.handler(*args))
+        bound = asyncio.timeout(timeout)
+        try:
+            async with bound:
+                if registration.is_async:
+                    return await registration.handler(*args)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self.executor, lambda: registration.handler(*args))
+        except TimeoutError:
+            if not bound.expired():
+                raise  # the handler's own TimeoutError
+            if not registration.is_async:
+                ctx.cancelled = True  # the thread runs on; tell it to stop
+                self.ctx = dataclasses.replace(ctx, cancelled=False, _progress=None)
+            raise TimeoutError(f"handler exceeded its {timeout:g} s timeout") from None
 
     # -- lease --------------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -193,15 +213,19 @@ class Execution:
             sent = time.monotonic()
             progress = self.ctx.take_progress() if self.ctx else None
             try:
-                task = await self.store.ping(self.key, self.run_id, progress=progress)
+                # A ping never outlives the lease: a stalled connection must not keep the
+                # handler running past ping_timeout (the check above then self-fences).
+                async with asyncio.timeout(confirmed + options.ping_timeout - sent):
+                    task = await self.store.ping(self.key, self.run_id, progress=progress)
             except ClaimLost:
                 return self._end(Stop.LOST)
-            except TaskRunnerError as exc:  # unreachable server, or the document was broken by hand
+            except (TaskRunnerError, TimeoutError) as exc:  # unreachable server, or a broken document
                 if progress is not None and self.ctx is not None and self.ctx._progress is None:
                     self.ctx._progress = progress  # resend with the next ping
-                self.log.warning("ping failed; retrying", error=redact(str(exc)))
-                interval = min(options.ping_interval, 1.0)
+                self._pings.failed(exc)  # logged once per outage; retried often so a blip keeps the lease
+                interval = min(options.ping_interval / 2, 1.0)
                 continue
+            self._pings.ok()
             confirmed, options, interval = sent, task.options, task.options.ping_interval
             self.log.debug("pinged")
             if task.state is TaskState.CANCELED:
@@ -238,7 +262,9 @@ class Execution:
         delay = 0.1
         while True:
             try:
-                await asyncio.shield(write())
+                # Bounded too: over a stalled connection the write would wait forever.
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    await asyncio.shield(write())
                 return
             except ClaimLost:
                 self.log.warning("claim lost before the outcome was written; nothing written")
@@ -246,9 +272,10 @@ class Execution:
             except MalformedTask as exc:  # written, but the document no longer reads back
                 self.log.error("outcome written to a malformed document", error=str(exc))
                 return
-            except StoreError as exc:
+            except (StoreError, TimeoutError) as exc:
                 if time.monotonic() + delay > deadline:
-                    self.log.error("could not write the run's outcome", error=redact(str(exc)))
+                    error = redact(str(exc)) or "no reply before ping_timeout"
+                    self.log.error("could not write the run's outcome", error=error)
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)

@@ -6,7 +6,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
       _id, key, name, params, priority,
       created_at, updated_at, run_at,          # BSON dates, server time
       options: {concurrency, max_failures, local_retries, retry_backoff,
-                ping_interval, ping_timeout, worker_ids},
+                ping_interval, ping_timeout, worker_ids, timeout},
       workers: [{worker_id, run_id, state, claimed_at, ping_at, expires_at,
                  attempt, progress, result, error: {type, message, traceback},
                  finished_at, took_over}],
@@ -53,6 +53,7 @@ RETRY_BACKOFF: Final = "retry_backoff"
 PING_INTERVAL: Final = "ping_interval"
 PING_TIMEOUT: Final = "ping_timeout"
 WORKER_IDS: Final = "worker_ids"
+TIMEOUT: Final = "timeout"
 
 # -- worker entry ---------------------------------------------------------------
 WORKER_ID: Final = "worker_id"

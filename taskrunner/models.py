@@ -7,6 +7,7 @@ Models validate what services publish (``NewTask``) and what workers read
 from __future__ import annotations
 
 import enum
+import math
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Self
@@ -54,6 +55,8 @@ def to_seconds(value: object) -> object:
         return value.total_seconds()
     if isinstance(value, bool):
         raise ValueError("a duration must be seconds (int/float) or a timedelta, not a bool")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a duration must be a finite number of seconds, not {value}")
     return value
 
 
@@ -93,6 +96,9 @@ class TaskOptions(BaseModel):
     ping_timeout: Seconds = Field(30.0, gt=0, le=7 * DAY)
     worker_ids: list[str] = Field(default_factory=list, max_length=1000)
     """Workers allowed to run the task; empty means any worker."""
+    timeout: Seconds | None = Field(None, gt=0, le=7 * DAY)
+    """An optional per-task timeout cancels a hanging handler: each call (attempt) of the
+    handler gets this many seconds, then fails with ``TimeoutError``."""
 
     @field_validator("worker_ids")
     @classmethod

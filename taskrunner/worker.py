@@ -32,7 +32,7 @@ from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.models import Task, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
-from taskrunner.redact import redact
+from taskrunner.outage import Outage
 from taskrunner.schedule import ClaimQueue, Due, Rank
 from taskrunner.store.base import Claim, Store
 
@@ -100,6 +100,11 @@ class Worker:
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
         self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix="taskrunner-handler")
+        # While the server is away each of these logs once when failing starts and once when it ends.
+        self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
+        self._clock_outage = Outage(self.log, "cannot read the server's clock; retrying", "server clock recovered",
+                                    base=0.2)  # fmt: skip
+        self._beats = Outage(self.log, "registry heartbeat failed", "registry heartbeat recovered")
 
     def stop(self) -> None:
         """Stop claiming and shut down gracefully (safe to call from a signal handler)."""
@@ -204,9 +209,9 @@ class Worker:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
             return None
         except StoreError as exc:
-            self.log.warning("claim failed", error=redact(str(exc)))
-            await asyncio.sleep(random.uniform(0.5, 1.5))
+            await asyncio.sleep(self._claims.failed(exc))
             return None
+        self._claims.ok()
         if claim is None:
             self.claim_step = min(self.claim_step * 1.5, MAX_CLAIM_STEP)
             self._missed(due)
@@ -252,21 +257,22 @@ class Worker:
 
     # -- clock and shutdown ------------------------------------------------------------------
     async def _sync_clock(self) -> None:
-        delay = 0.2
         while not self._stop.is_set():
             try:
                 await self.clock.sync(self.store)
+                self._clock_outage.ok()
                 return
             except StoreError as exc:
-                self.log.warning("cannot read the server's clock; retrying", error=redact(str(exc)))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                await asyncio.sleep(self._clock_outage.failed(exc))
 
     async def _clock_loop(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(60)
-            with suppress(StoreError):
+            try:
                 await self.clock.sync(self.store)
+                self._clock_outage.ok()
+            except StoreError as exc:
+                self._clock_outage.failed(exc)  # the next sync is a minute away anyway
 
     def info(self) -> WorkerInfo:
         running = sorted(execution.key for execution, _ in self.runs.values())
@@ -283,9 +289,10 @@ class Worker:
                     self.stop()
                     return
                 self.peers = [p for p in await self.store.workers() if p.worker_id != self.worker_id]
+                self._beats.ok()
             except StoreError as exc:
-                self.log.warning("registry heartbeat failed", error=redact(str(exc)))
-            await asyncio.sleep(self.beat_interval)
+                self._beats.failed(exc)
+            await asyncio.sleep(self.beat_interval * random.uniform(0.9, 1.1))
 
     async def _shutdown(self) -> None:
         running = [task for _, task in self.runs.values()]

@@ -58,9 +58,14 @@ def json_schema() -> dict[str, Any]:
                     "properties": {
                         f.CONCURRENCY: {**number, "minimum": 1},
                         f.MAX_FAILURES: {**number, "minimum": 1},
-                        f.PING_INTERVAL: {**number, "exclusiveMinimum": 0},
-                        f.PING_TIMEOUT: {**number, "exclusiveMinimum": 0},
+                        f.PING_INTERVAL: {**number, "minimum": 0, "exclusiveMinimum": True},
+                        f.PING_TIMEOUT: {**number, "minimum": 0, "exclusiveMinimum": True},
                         f.WORKER_IDS: {"bsonType": "array", "items": {"bsonType": "string"}},
+                        f.TIMEOUT: {
+                            "bsonType": ["int", "long", "double", "null"],
+                            "minimum": 0,
+                            "exclusiveMinimum": True,
+                        },
                     },
                 },
             },
