@@ -104,3 +104,22 @@ def test_every_filter_field_has_an_index() -> None:
     claim_keys = [k for k, _ in f.INDEXES["claim"][0]]
     filter_fields = [k for k in expressions.claim_filter("w") if not k.startswith("$")]
     assert claim_keys[:2] == filter_fields[:2] == [f.STATE, f.CLAIMABLE_AT]
+
+
+def test_validator_uses_draft_4_keywords_mongodb_accepts() -> None:
+    """MongoDB's $jsonSchema is draft 4: exclusiveMinimum/Maximum are booleans beside minimum/maximum."""
+    from taskrunner.store.validator import json_schema
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for keyword in ("exclusiveMinimum", "exclusiveMaximum"):
+                if keyword in node:
+                    assert isinstance(node[keyword], bool), (keyword, node)
+                    assert keyword.replace("exclusiveM", "m") in node, node
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json_schema())
