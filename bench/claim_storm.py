@@ -5,7 +5,7 @@ publishes tasks one at a time with a pause, so every worker is idle when each
 insert event arrives (the worst case for a stampede). Prints one JSON line and
 appends it to bench/results.jsonl.
 
-    uv run python bench/claim_storm.py [--workers 16] [--tasks 40] [--gap 0.15]
+    uv run python bench/claim_storm.py [--workers 16] [--tasks 40] [--gap 0.15] [--results PATH]
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tasks", type=int, default=40)
     parser.add_argument("--gap", type=float, default=0.15)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines file to append to")
     args = parser.parse_args()
     configure_logging("console", "error")
     result = asyncio.run(storm(args.workers, args.tasks, args.gap))
     line = json.dumps(result)
     print(line)
-    with RESULTS.open("a") as out:
+    with args.results.open("a") as out:
         out.write(line + "\n")
 
 

@@ -30,6 +30,7 @@ from taskrunner.runner import DEFAULT_URI, TaskRunner
 
 if TYPE_CHECKING:
     from taskrunner.observe import WorkerObserver
+    from taskrunner.roundtrips import RoundTripCounter
     from taskrunner.worker import Worker
 
 T = TypeVar("T")
@@ -543,6 +544,7 @@ def worker(
     except ValueError as exc:
         fail(str(exc))
     runner = make_runner(mongo_uri, database, collection, timeout, app_ref)
+    runner, counter = _count_roundtrips(runner)
     observer = None if metrics_port is None else _metrics_observer(metrics_port, metrics_host, runner)
     try:
         process = Worker(runner, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
@@ -550,7 +552,30 @@ def worker(
                          observer=observer)  # fmt: skip
     except TaskRunnerError as exc:
         fail(str(exc))
-    run(_closing(runner, _run_until_signalled(process)))
+    try:
+        run(_closing(runner, _run_until_signalled(process)))
+    finally:
+        if counter is not None:
+            import structlog
+
+            counts = counter.snapshot()
+            structlog.get_logger("taskrunner.worker").info(
+                "round trips", worker_id=process.worker_id, total=sum(counts.values()), commands=counts
+            )
+
+
+def _count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter | None]:
+    """With TASKRUNNER_COUNT_ROUNDTRIPS=1, give the runner a store that counts its commands."""
+    from taskrunner import roundtrips
+
+    if not roundtrips.enabled():
+        return runner, None
+    from taskrunner.store.mongo import MongoStore
+
+    counter = roundtrips.RoundTripCounter()
+    store = MongoStore.connect(runner.mongo_uri, database=runner.database, collection=runner.collection,
+                               timeout=runner.timeout, event_listeners=[counter])  # fmt: skip
+    return runner.copy(store=store), counter
 
 
 def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserver:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import bson
-from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
+from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne, monitoring
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
@@ -92,12 +92,18 @@ class MongoStore:
         database: str = f.DEFAULT_DATABASE,
         collection: str = f.DEFAULT_COLLECTION,
         timeout: float = 10.0,
+        event_listeners: Sequence[monitoring.CommandListener] | None = None,
     ) -> MongoStore:
-        """A store on its own client; ``timeout`` bounds server selection and connects."""
+        """A store on its own client; ``timeout`` bounds server selection and connects.
+
+        ``event_listeners`` (opt-in) are PyMongo monitoring listeners, e.g.
+        ``taskrunner.roundtrips.RoundTripCounter``.
+        """
+        extra: dict[str, Any] = {"event_listeners": list(event_listeners)} if event_listeners else {}
         try:
             client: AsyncMongoClient[Doc] = AsyncMongoClient(
                 uri, tz_aware=True, appname="taskrunner",
-                serverSelectionTimeoutMS=int(timeout * 1000), connectTimeoutMS=int(timeout * 1000),
+                serverSelectionTimeoutMS=int(timeout * 1000), connectTimeoutMS=int(timeout * 1000), **extra,
             )  # fmt: skip
         except (pe.ConfigurationError, ValueError, TypeError) as exc:
             raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
