@@ -27,10 +27,8 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -40,6 +38,7 @@ from uuid import uuid4
 import pytest
 from mongosh import mongosh_path
 from pymongo import AsyncMongoClient, MongoClient
+from workers import dev_server
 
 from taskrunner import TaskRunner
 from taskrunner.models import TaskError, WorkerInfo
@@ -125,25 +124,6 @@ def test_every_js_block_is_a_query_with_an_expectation() -> None:
 
 
 # -- the server and its sample data ----------------------------------------------------
-
-
-@contextmanager
-def _dev_server() -> Iterator[str]:
-    """``taskrunner dev-server --port 0`` as a subprocess; yields the URI it printed."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        uri = process.stdout.readline().strip()
-        assert uri.startswith("mongodb://"), process.stderr and process.stderr.read()
-        yield uri
-    finally:
-        process.kill()
-        process.communicate()
 
 
 async def _load_sample(uri: str, database: str) -> None:
@@ -240,7 +220,7 @@ class Target:
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """The dev server (always) and TASKRUNNER_TEST_MONGO_URI (when set, in a scratch database)."""
     if request.param == "embedded":
-        with _dev_server() as uri:
+        with dev_server() as (_, uri):
             asyncio.run(_load_sample(uri, "taskrunner"))
             yield Target(uri, "taskrunner")
         return

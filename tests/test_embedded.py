@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from bson.int64 import Int64
 from mongosh import mongosh_path
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.errors import OperationFailure
+from workers import dev_server
 
 from taskrunner.embedded import EmbeddedServer
 
@@ -307,29 +306,9 @@ _STREAM_NAMES = ("_hub", "_offset", "_max_await_time_ms", "try_next", "alive", "
 _HUB_NAMES = ("_condition", "_events", "_base_offset", "_next_token")
 
 
-@contextmanager
-def _cli_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Runs `taskrunner dev-server --port 0` and yields it with the URI it printed."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        uri = process.stdout.readline().strip()
-        assert uri.startswith("mongodb://127.0.0.1:"), process.stderr and process.stderr.read()
-        yield process, uri
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
-
-
 def test_serve_stops_cleanly_on_sigterm() -> None:
     """The CLI server answers a ping, then exits 0 without a traceback when sent SIGTERM."""
-    with _cli_server() as (process, uri):
+    with dev_server() as (process, uri):
         with _sync_client(uri, serverSelectionTimeoutMS=5000) as client:
             assert client.admin.command("ping")["ok"] == 1.0
         process.send_signal(signal.SIGTERM)
@@ -347,7 +326,7 @@ def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
         "print(EJSON.stringify({docs: tasks.find({}, {_id: 0, key: 1, name: 1, params: 1, state: 1}).toArray(),"
         " count: tasks.countDocuments({state: 'PENDING'})}))"
     )
-    with _cli_server() as (_, uri):
+    with dev_server() as (_, uri):
         env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1", "TASKRUNNER_MONGO_URI": uri}
         published = subprocess.run(
             [sys.executable, "-m", "taskrunner", "publish", "resize", "--params", '{"width": 640}', "--key", "img:42"],

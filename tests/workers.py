@@ -32,7 +32,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar, overload
@@ -246,3 +247,23 @@ class ChangeRecorder:
 
     def of(self, key: str) -> list[tuple[float, Doc]]:
         return [(t, doc) for t, doc in self.documents if doc.get("key") == key]
+
+
+@contextmanager
+def dev_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Runs `taskrunner dev-server --port 0` and yields it with the URI it printed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        uri = process.stdout.readline().strip()
+        assert uri.startswith("mongodb://127.0.0.1:"), process.stderr and process.stderr.read()
+        yield process, uri
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()

@@ -41,13 +41,6 @@ LEASE: dict[str, Any] = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TI
 
 
 @pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
-        await publisher.init()
-        yield publisher
-
-
-@pytest.fixture
 async def own_server(embedded_uri: str) -> AsyncIterator[EmbeddedServer]:
     """A private embedded server (on this test's loop) whose change streams a test may break."""
     async with EmbeddedServer(history_size=20) as server:

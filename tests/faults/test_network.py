@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,6 @@ pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]
 UNCONFIRMED = "lease unconfirmed for ping_timeout"
 WORKER_ARGS = ("--timeout", "1", "--concurrency", "2", "--beat-interval", "1")
-
-
-@pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A publisher on the test's collection, talking to the server directly."""
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
-        await publisher.init()
-        yield publisher
 
 
 @pytest.fixture
