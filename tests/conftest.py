@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from uuid import uuid4
 
 import pytest
 
+from taskrunner import TaskRunner
 from taskrunner.embedded import ServerThread
 
 _NO_EMBEDDED = "embedded server needs Python >= 3.13 and the 'embedded' extra"
@@ -38,3 +39,11 @@ def mongo_uri(request: pytest.FixtureRequest) -> str:
 def collection_name() -> str:
     """A fresh collection per test: mongoeco loses a change event when a collection is dropped."""
     return f"t_{uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
+    """A publisher on the test's collection, indexes created, talking to the server directly."""
+    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
+        await publisher.init()
+        yield publisher

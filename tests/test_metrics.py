@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -123,14 +122,6 @@ def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-@pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A publisher on the test's collection, indexes created."""
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
-        await publisher.init()
-        yield publisher
 
 
 @pytest.mark.mongo

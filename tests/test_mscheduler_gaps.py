@@ -52,15 +52,6 @@ Params = dict[str, Any]
 
 
 # -- fixtures and helpers ---------------------------------------------------------------------
-@pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A runner on a fresh collection of the embedded server (or TASKRUNNER_TEST_MONGO_URI)."""
-    runner = TaskRunner(mongo_uri, collection=collection_name)
-    await runner.init()
-    yield runner
-    await runner.close()
-
-
 @pytest.fixture(params=["memory", "mongo"])
 async def store(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[Store]:
     """For rules that live in the claim filter: the in-memory twin and MongoDB pipelines."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,6 @@ OPS_APP = "apps.operations_app:runner"
 PING: dict[str, Any] = {"ping_interval": 0.5, "ping_timeout": 3.0}
 UNREACHABLE = ["--mongo-uri", "mongodb://127.0.0.1:9/", "--timeout", "1"]
 Doc = dict[str, Any]
-
-
-@pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A publisher on the test's collection, indexes created."""
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
-        await publisher.init()
-        yield publisher
 
 
 def invoke(*args: str, uri: str | None = None, collection: str | None = None) -> Result:

@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,6 @@ from taskrunner import EntryState, NewTask, Task, TaskRunner, TaskState, WorkerE
 pytestmark = pytest.mark.mongo
 
 Doc = dict[str, Any]
-
-
-@pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A publisher on the test's collection, indexes created."""
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
-        await publisher.init()
-        yield publisher
 
 
 async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
