@@ -193,9 +193,10 @@ async def _load_sample(uri: str, database: str) -> None:
         await publish("report", "rep:4")
         await store.cancel("rep:4")
         # The registry: A and B beat; C stopped beating a minute ago.
+        # Hour-long registrations: the live workers must stay live however slowly mongosh runs.
         for worker_id, names, running, ttl in (
-            (A, ["resize", "email"], ["img:42"], 60.0),
-            (B, ["email", "report"], ["mail:2", "rep:3"], 60.0),
+            (A, ["resize", "email"], ["img:42"], 3600.0),
+            (B, ["email", "report"], ["mail:2", "rep:3"], 3600.0),
             (C, ["email"], ["mail:1", "mail:4"], 10.0),
         ):
             await store.beat(WorkerInfo(worker_id=worker_id, host=worker_id.rsplit("-", 2)[0], pid=1234,
