@@ -1,54 +1,39 @@
-"""Worker-side round trips per task (claim + heartbeats + finish + discovery + registry), amortized.
+"""Worker-side round trips per task, amortized, split by job (claim, run writes, discovery, ...).
 
 Starts the embedded server, N in-process workers (each its own client with a
 ``RoundTripCounter`` attached), publishes M short no-op tasks in one write, waits
 until all are SUCCESS and divides each worker command count by M. Counting starts
 after the workers have settled (startup scan, first beats) and stops when the last
-task succeeds; startup is reported separately. Cross-checks with the server's
-``serverStatus`` opcounters (all clients: the workers' commands plus this
-script's publishing and polling, counted with its own listener) when the server
-supports it. Prints one JSON line and appends it to bench/results.jsonl.
+task succeeds; startup is reported separately. ``worker_writes_per_task`` is the
+issue's target figure: claims + lease renewals + outcomes (jobs ``claim`` and
+``run_writes``); ``roundtrips_per_task`` counts every worker command, discovery and
+registry included. Cross-checks with the server's ``serverStatus`` opcounters (all
+clients: the workers' commands plus this script's publishing and polling, counted
+with its own listener) when the server supports it.
 
-    uv run python bench/roundtrips.py [--workers 3] [--tasks 300] [--smoke] [--results PATH]
+    uv run python bench/roundtrips.py [--workers 1,2,4,8] [--tasks 300] [--concurrency 10] [--no-batching]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import platform
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
+from common import add_common_args, emit
 from pymongo import AsyncMongoClient
 
 from taskrunner import MongoStore, TaskContext, TaskRunner
 from taskrunner.embedded import EmbeddedServer
-from taskrunner.fields import REGISTRY_SUFFIX
 from taskrunner.logs import configure_logging
 from taskrunner.models import TaskState
 from taskrunner.roundtrips import RoundTripCounter
 from taskrunner.worker import Worker
 
-RESULTS = Path(__file__).with_name("results.jsonl")
 COLLECTION = "roundtrips"
-REGISTRY = f"{COLLECTION}.{REGISTRY_SUFFIX}"
-
-
-def category(command: str, target: str) -> str:
-    """Which worker job a command belongs to."""
-    if target == REGISTRY:
-        return "registry"  # beats (findAndModify) and the peer list (find)
-    if command == "findAndModify":
-        return "claim_ping_finish"
-    if command in {"find", "getMore", "aggregate", "killCursors"}:
-        return "discovery"  # candidate scans and the change stream
-    if command == "hello":
-        return "clock"
-    return "other"
+WORKER_WRITES = ("claim", "run_writes")
 
 
 async def opcounters(uri: str) -> dict[str, int] | None:
@@ -64,7 +49,7 @@ async def opcounters(uri: str) -> dict[str, int] | None:
         await client.close()
 
 
-async def measure(workers: int, tasks: int, concurrency: int, settle: float) -> dict[str, Any]:
+async def measure(workers: int, tasks: int, concurrency: int, batch: int, settle: float) -> dict[str, Any]:
     async with EmbeddedServer() as server:
         own = RoundTripCounter()  # this script's publishing and polling, for the server cross-check
         app = TaskRunner(store=MongoStore.connect(server.uri, collection=COLLECTION, event_listeners=[own]))
@@ -78,7 +63,7 @@ async def measure(workers: int, tasks: int, concurrency: int, settle: float) -> 
         fleet = [
             Worker(
                 app.copy(store=MongoStore.connect(server.uri, collection=COLLECTION, event_listeners=[c])),
-                worker_id=f"w{i:02}", concurrency=concurrency,
+                worker_id=f"w{i:02}", concurrency=concurrency, batch=batch,
             )
             for i, c in enumerate(counters)
         ]  # fmt: skip
@@ -92,19 +77,16 @@ async def measure(workers: int, tasks: int, concurrency: int, settle: float) -> 
         while await app.store.count(state=TaskState.SUCCESS) < tasks:
             await asyncio.sleep(0.02)
         elapsed = time.monotonic() - start
-        by_target: Counter[tuple[str, str]] = Counter()
+        by_command: Counter[str] = Counter()
+        by_job: Counter[str] = Counter()
         for c in counters:
-            by_target.update(c.by_target())
+            by_command.update(c.snapshot())
+            by_job.update(c.by_job())
         bench_total = own.total()
         after = await opcounters(server.uri)
         for w in fleet:
             w.stop()
         await asyncio.gather(*running)
-    by_command: Counter[str] = Counter()
-    by_category: Counter[str] = Counter()
-    for (command, target), n in by_target.items():
-        by_command[command] += n
-        by_category[category(command, target)] += n
     total = sum(by_command.values())
     if before is None or after is None:
         server_side: Any = "unsupported"
@@ -113,35 +95,34 @@ async def measure(workers: int, tasks: int, concurrency: int, settle: float) -> 
         server_side = delta | {
             "total": sum(delta.values()), "client_total": total + bench_total, "workers": total, "bench": bench_total
         }  # fmt: skip
-    per_task = {k: round(v / tasks, 3) for k, v in sorted(by_command.items())}
     return {
-        "bench": "roundtrips", "workers": workers, "tasks": tasks, "concurrency": concurrency,
-        "roundtrips": total, "roundtrips_per_task": round(total / tasks, 3),
-        "per_task_by_command": per_task,
-        "per_task_by_job": {k: round(v / tasks, 3) for k, v in sorted(by_category.items())},
+        "tasks": tasks, "roundtrips": total, "roundtrips_per_task": round(total / tasks, 3),
+        "worker_writes_per_task": round(sum(by_job[j] for j in WORKER_WRITES) / tasks, 3),
+        "per_task_by_command": {k: round(v / tasks, 3) for k, v in sorted(by_command.items())},
+        "per_task_by_job": {k: round(v / tasks, 3) for k, v in sorted(by_job.items())},
         "startup_commands": dict(sorted(startup.items())),
         "server_opcounters_delta": server_side, "seconds": round(elapsed, 2),
-        "machine": f"{platform.machine()} {platform.python_version()}", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--workers", default="3", help="comma list: one result per worker count")
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=10, help="slots per worker")
+    parser.add_argument("--no-batching", action="store_true", help="claim one task per round trip (batch=1)")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds before counting starts")
-    parser.add_argument("--smoke", action="store_true", help="tiny run for CI: 2 workers, 10 tasks")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines file to append to")
+    add_common_args(parser)
     args = parser.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
     if args.smoke:
-        args.workers, args.tasks, args.settle = 2, 10, 0.5
+        counts, args.tasks, args.settle = [2], 10, 0.5
     configure_logging("console", "error")
-    result = asyncio.run(measure(args.workers, args.tasks, args.concurrency, args.settle))
-    line = json.dumps(result)
-    print(line)
-    with args.results.open("a") as out:
-        out.write(line + "\n")
+    batch = 1 if args.no_batching else 32
+    for workers in counts:
+        figures = asyncio.run(measure(workers, args.tasks, args.concurrency, batch, args.settle))
+        config = {"workers": workers, "concurrency": args.concurrency, "batching": not args.no_batching}
+        emit("roundtrips", config, figures, results=args.results, smoke=args.smoke)
 
 
 if __name__ == "__main__":

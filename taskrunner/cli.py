@@ -41,6 +41,11 @@ class LogFormatChoice(enum.StrEnum):
     console = "console"
 
 
+class DiscoveryChoice(enum.StrEnum):
+    stream = "stream"
+    poll = "poll"
+
+
 app = typer.Typer(help="Background tasks as readable MongoDB documents.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)  # fmt: skip
 out = Console(highlight=False)
@@ -502,6 +507,21 @@ def worker(
         float,
         typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
     ] = 5.0,
+    discovery: Annotated[
+        DiscoveryChoice,
+        typer.Option(
+            envvar="TASKRUNNER_DISCOVERY",
+            help="stream: change streams (polling only if the server has none); poll: always scan.",
+        ),
+    ] = DiscoveryChoice.stream,
+    batch: Annotated[
+        int,
+        typer.Option(
+            envvar="TASKRUNNER_BATCH",
+            min=1,
+            help="Most tasks one claim round trip takes when slots are free.",
+        ),
+    ] = 32,
     beat_interval: Annotated[
         float,
         typer.Option(
@@ -548,8 +568,8 @@ def worker(
     observer = None if metrics_port is None else _metrics_observer(metrics_port, metrics_host, runner)
     try:
         process = Worker(runner, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
-                         poll_interval=poll_interval, beat_interval=beat_interval,
-                         observer=observer)  # fmt: skip
+                         poll_interval=poll_interval, beat_interval=beat_interval, observer=observer,
+                         batch=batch, discovery=discovery.value)  # fmt: skip
     except TaskRunnerError as exc:
         fail(str(exc))
     try:
@@ -560,7 +580,11 @@ def worker(
 
             counts = counter.snapshot()
             structlog.get_logger("taskrunner.worker").info(
-                "round trips", worker_id=process.worker_id, total=sum(counts.values()), commands=counts
+                "round trips",
+                worker_id=process.worker_id,
+                total=sum(counts.values()),
+                commands=counts,
+                jobs=counter.by_job(),
             )
 
 

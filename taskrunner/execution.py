@@ -33,12 +33,14 @@ from taskrunner.errors import (
     TaskRunnerError,
     UnknownHandler,
 )
-from taskrunner.models import TaskError, TaskState
+from taskrunner.heartbeat import Heartbeat, Lease
+from taskrunner.models import TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
-from taskrunner.outage import Outage
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
-from taskrunner.store.base import Claim, Store
+from taskrunner.rules import RunStatus
+from taskrunner.store.base import Claim, RunWrite, RunWriteKind, Store
+from taskrunner.writes import RunWrites
 
 MAX_RESULT_BYTES = 8 * 1024 * 1024
 
@@ -54,6 +56,11 @@ class Stop(enum.Enum):
 
 
 RELEASING = (Stop.NOT_ALLOWED, Stop.CANCELED, Stop.SHUTDOWN)
+LEASE_ENDS = {
+    RunStatus.LOST: Stop.LOST,
+    RunStatus.CANCELED: Stop.CANCELED,
+    RunStatus.NOT_ALLOWED: Stop.NOT_ALLOWED,
+}
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,15 @@ class Execution:
         worker_id: str,
         executor: Executor | None = None,
         observer: WorkerObserver | None = None,
+        writes: RunWrites | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
+        """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
+        for many runs); a lone run gets its own."""
         self.observer: WorkerObserver = observer or NullObserver()
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
+        self.writes = RunWrites(store) if writes is None else writes
+        self.heartbeat = Heartbeat(self.writes, worker_id) if heartbeat is None else heartbeat
         self.claim, self.store, self.registry = claim, store, registry
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
@@ -108,7 +121,6 @@ class Execution:
         self.stopped: Stop | None = None
         self.ctx: TaskContext | None = None
         self._handler: asyncio.Task[Outcome] | None = None
-        self._pings = Outage(self.log, "ping failed; retrying", "ping recovered")
 
     def stop(self, reason: Stop) -> None:
         if self.stopped is None:
@@ -130,24 +142,24 @@ class Execution:
         self._handler = asyncio.create_task(
             self._attempts(registration, self.ctx), name=f"handler:{self.key}"
         )
-        heartbeat = asyncio.create_task(self._heartbeat(), name=f"heartbeat:{self.key}")
+        self.heartbeat.add(self._lease())
         try:
             await asyncio.wait([self._handler])
         except asyncio.CancelledError:
             self.stop(Stop.SHUTDOWN)
-            await asyncio.shield(self._conclude(heartbeat))
+            await asyncio.shield(self._conclude())
             raise
-        await self._conclude(heartbeat)
+        await self._conclude()
 
     def _prepare(self) -> tuple[Registration, Any]:
         registration = self.registry.get(self.task.name)
         return registration, registration.parse(self.task.params)
 
-    async def _conclude(self, heartbeat: asyncio.Task[None]) -> None:
+    async def _conclude(self) -> None:
         assert self._handler is not None
         with_outcome = not self._handler.cancelled() and self.stopped is None
         outcome = self._handler.result() if with_outcome else None
-        heartbeat.cancel()
+        self.heartbeat.remove(self.run_id)
         seconds = time.monotonic() - self.started
         if outcome is not None:
             await self._write(outcome)
@@ -202,36 +214,20 @@ class Execution:
             raise TimeoutError(f"handler exceeded its {timeout:g} s timeout") from None
 
     # -- lease --------------------------------------------------------------------------------
-    async def _heartbeat(self) -> None:
+    def _lease(self) -> Lease:
         options = self.task.options
-        confirmed = time.monotonic()  # conservative: before the claim's reply
-        interval = options.ping_interval
-        while True:
-            await asyncio.sleep(max(0.0, min(interval, confirmed + options.ping_timeout - time.monotonic())))
-            if time.monotonic() - confirmed >= options.ping_timeout:
-                return self._end(Stop.UNCONFIRMED)
-            sent = time.monotonic()
-            progress = self.ctx.take_progress() if self.ctx else None
-            try:
-                # A ping never outlives the lease: a stalled connection must not keep the
-                # handler running past ping_timeout (the check above then self-fences).
-                async with asyncio.timeout(confirmed + options.ping_timeout - sent):
-                    task = await self.store.ping(self.key, self.run_id, progress=progress)
-            except ClaimLost:
-                return self._end(Stop.LOST)
-            except (TaskRunnerError, TimeoutError) as exc:  # unreachable server, or a broken document
-                if progress is not None and self.ctx is not None and self.ctx._progress is None:
-                    self.ctx._progress = progress  # resend with the next ping
-                self._pings.failed(exc)  # logged once per outage; retried often so a blip keeps the lease
-                interval = min(options.ping_interval / 2, 1.0)
-                continue
-            self._pings.ok()
-            confirmed, options, interval = sent, task.options, task.options.ping_interval
-            self.log.debug("pinged")
-            if task.state is TaskState.CANCELED:
-                return self._end(Stop.CANCELED)
-            if options.worker_ids and self.worker_id not in options.worker_ids:
-                return self._end(Stop.NOT_ALLOWED)
+        return Lease(self.key, self.run_id, options.ping_interval, options.ping_timeout, self._lease_ended,
+                     take_progress=self._take_progress, give_back=self._give_back, confirmed=self.started)  # fmt: skip
+
+    def _take_progress(self) -> Any:
+        return self.ctx.take_progress() if self.ctx else None
+
+    def _give_back(self, progress: Any) -> None:
+        if progress is not None and self.ctx is not None and self.ctx._progress is None:
+            self.ctx._progress = progress  # resend with the next ping
+
+    def _lease_ended(self, status: RunStatus | None) -> None:
+        self._end(LEASE_ENDS.get(status, Stop.LOST) if status is not None else Stop.UNCONFIRMED)
 
     def _end(self, reason: Stop) -> None:
         self.log.warning("stopping run", reason=reason.value)
@@ -239,12 +235,18 @@ class Execution:
 
     # -- writes --------------------------------------------------------------------------------
     async def _write(self, outcome: Outcome) -> None:
+        kind: RunWriteKind = "success" if outcome.error is None else "failure"
+        value = outcome.result if outcome.error is None else outcome.error
+
         async def write() -> None:
+            result = await self.writes.submit(RunWrite(kind, self.key, self.run_id, self.worker_id, value))
+            if isinstance(result, StoreError):
+                raise result
+            if result is not RunStatus.DONE:
+                raise ClaimLost(self.key, self.run_id)
             if outcome.error is None:
-                await self.store.succeed(self.key, self.run_id, outcome.result)
                 self.log.info("run succeeded")
             else:
-                await self.store.fail(self.key, self.run_id, outcome.error)
                 self.log.warning("run failed", error_type=outcome.error.type, error=outcome.error.message)
 
         await self._persist(write)

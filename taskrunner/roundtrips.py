@@ -11,10 +11,40 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from collections.abc import Mapping
+from typing import Any
 
 from pymongo import monitoring
 
+from taskrunner import fields as f
+
 ENV_VAR = "TASKRUNNER_COUNT_ROUNDTRIPS"
+JOBS = ("claim", "run_writes", "discovery", "registry", "clock", "other")
+"""What a worker's command was for: ``claim`` (claims and their read-backs), ``run_writes``
+(lease renewals, outcomes, releases), ``discovery`` (change stream and scans), ``registry``
+(beats and the peer list), ``clock`` (server time)."""
+
+
+def job_of(name: str, command: Mapping[str, Any]) -> str:
+    """The worker job a command belongs to, from its name and body (see ``JOBS``)."""
+    target = command.get("collection" if name == "getMore" else name)
+    if isinstance(target, str) and target.endswith(f".{f.REGISTRY_SUFFIX}"):
+        return "registry"
+    if name == "hello":
+        return "clock"
+    if name in {"getMore", "aggregate", "killCursors"}:
+        return "discovery"
+    if name == "findAndModify":
+        return "claim" if "$expr" in command.get("query", {}) else "run_writes"
+    if name == "update":
+        updates = command.get("updates") or [{}]
+        return "claim" if "$expr" in updates[0].get("q", {}) else "run_writes"
+    if name == "find":
+        query = command.get("filter", {})
+        if f"{f.WORKERS}.{f.RUN_ID}" in query:
+            return "claim"  # a batched claim reading back what it took
+        return "run_writes" if command.get("projection") else "discovery"
+    return "other"
 
 
 def enabled() -> bool:
@@ -29,13 +59,16 @@ class RoundTripCounter(monitoring.CommandListener):
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._targets: Counter[tuple[str, str]] = Counter()
+        self._jobs: Counter[str] = Counter()
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         name = event.command_name
         target = event.command.get("collection" if name == "getMore" else name)
+        job = job_of(name, event.command)
         with self._lock:
             self._counts[name] += 1
             self._targets[name, target if isinstance(target, str) else ""] += 1
+            self._jobs[job] += 1
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         return None
@@ -53,6 +86,11 @@ class RoundTripCounter(monitoring.CommandListener):
         with self._lock:
             return dict(sorted(self._targets.items()))
 
+    def by_job(self) -> dict[str, int]:
+        """Counts by worker job (see ``JOBS``)."""
+        with self._lock:
+            return dict(sorted(self._jobs.items()))
+
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
@@ -63,4 +101,5 @@ class RoundTripCounter(monitoring.CommandListener):
             counts = dict(sorted(self._counts.items()))
             self._counts.clear()
             self._targets.clear()
+            self._jobs.clear()
             return counts

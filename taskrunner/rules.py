@@ -8,6 +8,7 @@ null or not a date never matches.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -167,6 +168,35 @@ def claim_order(doc: Doc) -> tuple[float, str, str]:
 def running_entry(doc: Doc, run_id: str) -> Doc | None:
     """The RUNNING entry of ``run_id``: the fencing check every state write makes."""
     return next((w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_running(w)), None)
+
+
+class RunStatus(enum.Enum):
+    """What a fenced write for one run found (see ``Store.write_runs``)."""
+
+    DONE = "done"
+    LOST = "lost"  # no RUNNING entry of this run any more: another worker owns the task
+    CANCELED = "canceled"  # renewal refused: the task was canceled
+    NOT_ALLOWED = "not allowed"  # renewal refused: worker_ids no longer name this worker
+    UNCONFIRMED = "unconfirmed"  # still owned, but this renewal cannot be shown to have landed
+
+
+def renewal_status(doc: Doc | None, run_id: str, worker_id: str) -> RunStatus:
+    """Whether a lease renewal for ``run_id`` may land on ``doc`` (DONE) or why not."""
+    if doc is None or running_entry(doc, run_id) is None:
+        return RunStatus.LOST
+    if doc.get(f.STATE) == TaskState.CANCELED.value:
+        return RunStatus.CANCELED
+    allowed = option(doc, f.WORKER_IDS)
+    if not isinstance(allowed, list) or (allowed and worker_id not in allowed):
+        return RunStatus.NOT_ALLOWED
+    return RunStatus.DONE
+
+
+def outcome_status(doc: Doc | None, run_id: str, state: EntryState) -> RunStatus:
+    """DONE when the run's entry holds the outcome ``state`` (written now or before), else LOST."""
+    entries = _entries(doc) if doc is not None else []
+    done = any(w.get(f.RUN_ID) == run_id and w.get(f.STATE) == state.value for w in entries)
+    return RunStatus.DONE if done else RunStatus.LOST
 
 
 def apply_ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:

@@ -1,8 +1,10 @@
 """The claim-time queue: when each known task next becomes claimable for this worker.
 
-A heap ordered by (time, preference) with one live entry per key: re-scheduling a
-key replaces its entry (older heap items are skipped when they surface). Keys
-whose time comes while the worker is busy stay until claimed or re-scheduled;
+A heap ordered by time with one live entry per key: re-scheduling a key replaces
+its entry (older heap items are skipped when they surface). Entries whose time has
+come move to a second heap ordered by preference, so the best due tasks are found
+without sorting the queue. Keys whose time comes while the worker is busy stay
+until claimed or re-scheduled;
 when the queue overflows it evicts the farthest and asks discovery to rescan.
 """
 
@@ -30,7 +32,8 @@ class ClaimQueue:
         self.overflowed = False
         self.changed = asyncio.Event()
         self._live: dict[str, Due] = {}
-        self._heap: list[Due] = []
+        self._heap: list[Due] = []  # by time
+        self._ready: list[tuple[Rank, float, str, Due]] = []  # due entries, by preference
 
     def __len__(self) -> int:
         return len(self._live)
@@ -50,7 +53,7 @@ class ClaimQueue:
         heapq.heappush(self._heap, entry)
         if len(self._live) > self.capacity:
             self._evict()
-        elif len(self._heap) > 2 * len(self._live) + 64:
+        elif len(self._heap) + len(self._ready) > 2 * len(self._live) + 64:
             self._rebuild()
         self.changed.set()
 
@@ -59,19 +62,37 @@ class ClaimQueue:
             self.changed.set()
 
     def next_at(self) -> float | None:
+        """When the next entry is due; a past time when some already are."""
         self._skip_stale()
-        return self._heap[0].at if self._heap else None
+        times = [self._heap[0].at] if self._heap else []
+        if self._ready:
+            times.append(self._ready[0][1])
+        return min(times) if times else None
 
-    def due(self, now: float) -> list[Due]:
-        """Every entry due at ``now``, best first (entries stay until discarded)."""
-        return sorted((e for e in self._live.values() if e.at <= now), key=lambda e: (e.rank, e.at))
+    def due(self, now: float, limit: int | None = None) -> list[Due]:
+        """The best ``limit`` (default all) entries due at ``now``, best first; entries stay
+        until discarded or re-scheduled. Costs O(limit log n), not a sort of the queue."""
+        while self._heap and self._heap[0].at <= now:
+            entry = heapq.heappop(self._heap)
+            if self._live.get(entry.key) == entry:
+                heapq.heappush(self._ready, (entry.rank, entry.at, entry.key, entry))
+        best: dict[str, Due] = {}
+        while self._ready and (limit is None or len(best) < limit):
+            entry = heapq.heappop(self._ready)[3]
+            if self._live.get(entry.key) == entry:
+                best[entry.key] = entry
+        for entry in best.values():  # they stay queued
+            heapq.heappush(self._ready, (entry.rank, entry.at, entry.key, entry))
+        return list(best.values())
 
     def _skip_stale(self) -> None:
         while self._heap and self._live.get(self._heap[0].key) != self._heap[0]:
             heapq.heappop(self._heap)
+        while self._ready and self._live.get(self._ready[0][2]) != self._ready[0][3]:
+            heapq.heappop(self._ready)
 
     def _rebuild(self) -> None:
-        self._heap = list(self._live.values())
+        self._heap, self._ready = list(self._live.values()), []
         heapq.heapify(self._heap)
 
     def _evict(self) -> None:

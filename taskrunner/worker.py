@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -30,11 +30,13 @@ from taskrunner import __version__, rules
 from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
+from taskrunner.heartbeat import Heartbeat
 from taskrunner.models import Task, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
 from taskrunner.schedule import ClaimQueue, Due, Rank
 from taskrunner.store.base import Claim, Store
+from taskrunner.writes import RunWrites
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
@@ -44,6 +46,7 @@ MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before i
 # that finds nothing (another worker won) widens it, a won claim narrows it again.
 MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.05, 0.25
 MAX_RANKS = 8
+MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
 
 
 def default_worker_id() -> str:
@@ -79,7 +82,12 @@ class Worker:
         queue_capacity: int = 10_000,
         beat_interval: float = 2.0,
         observer: WorkerObserver | None = None,
+        batch: int = 32,
+        discovery: Literal["stream", "poll"] = "stream",
     ) -> None:
+        """``batch``: most tasks one claim round trip may take when slots are free
+        (1 claims one at a time). ``discovery="poll"`` scans every ``poll_interval``
+        instead of following a change stream (which it also does when the server has none)."""
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
         self.runner, self.store, self.registry = runner, runner.store, runner.registry
@@ -88,6 +96,7 @@ class Worker:
         self.names = frozenset(runner.registry.names())
         self.queue = ClaimQueue(queue_capacity)
         self.discovery = Discovery(self.store, self.queue, self.claim_time, poll_interval=poll_interval)
+        self.discovery.polling = discovery == "poll"
         self.clock = ServerClock()
         self.observer: WorkerObserver = observer or NullObserver()
         self.beat_interval = beat_interval
@@ -95,6 +104,9 @@ class Worker:
         self.peers: list[WorkerInfo] = []
         self.claim_step = MIN_CLAIM_STEP
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
+        self.batch = max(1, batch)
+        self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
+        self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
@@ -174,22 +186,35 @@ class Worker:
         await self._sync_clock()
         while not self._stop.is_set():
             await self._slots.acquire()
-            claim = None
+            held, claims = 1, []
             try:
                 due = await self._wait_due()
-                if due:
-                    claim = await self._claim(due)
+                if len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
+                    await asyncio.sleep(0)  # runs that ended together free their slots first
+                    held += self._take_free_slots(min(len(due), self.batch) - 1)
+                if held >= MIN_BATCH:
+                    claims = await self._claim_batch(due[:held])
+                elif due:
+                    claims = await self._claim(due)
             finally:
-                if claim is None:
+                for _ in range(held - len(claims)):
                     self._slots.release()
-            if claim is not None:
+            for claim in claims:
                 self._start(claim)
+
+    def _take_free_slots(self, wanted: int) -> int:
+        """Take up to ``wanted`` more slots that are free right now (never waits)."""
+        taken = 0
+        while taken < wanted and not self._slots.locked():
+            self._slots._value -= 1  # what acquire() does when not locked, without a suspension point
+            taken += 1
+        return taken
 
     async def _wait_due(self) -> list[Due]:
         while not self._stop.is_set():
             self.queue.changed.clear()
             now = self.clock.now()
-            due = self.queue.due(now)
+            due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
             next_at = self.queue.next_at()
@@ -198,7 +223,7 @@ class Worker:
                 await asyncio.wait_for(self.queue.changed.wait(), wait)
         return []
 
-    async def _claim(self, due: list[Due]) -> Claim | None:
+    async def _claim(self, due: list[Due]) -> list[Claim]:
         # The server picks the best eligible task, so a burst of events does not make
         # every worker race for the one that was announced; a task naming this worker
         # (worker_ids) is claimed by key first (seed order).
@@ -207,23 +232,51 @@ class Worker:
             claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
         except MalformedTask as exc:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
-            return None
+            return []
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
-            return None
+            return []
         self._claims.ok()
         if claim is None:
-            self.claim_step = min(self.claim_step * 1.5, MAX_CLAIM_STEP)
-            self._missed(due)
-            return None
-        self.claim_step = max(self.claim_step * 0.9, MIN_CLAIM_STEP)
-        self.queue.discard(claim.task.key)
-        self._misses.pop(claim.task.key, None)
-        return claim
+            self._claimed_none(due if due[0].rank[0] == 1 else due[:1])
+            return []
+        self._claimed([claim])
+        return [claim]
+
+    async def _claim_batch(self, due: list[Due]) -> list[Claim]:
+        """Several slots are free and several tasks due: claim them in one update."""
+        try:
+            claimed = await self.store.claim_many(
+                self.worker_id, [d.key for d in due], names=sorted(self.names)
+            )
+        except StoreError as exc:
+            await asyncio.sleep(self._claims.failed(exc))
+            return []
+        self._claims.ok()
+        for problem in claimed.rejected:
+            self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
+        won = {c.task.key for c in claimed.claims}
+        missed = [d for d in due if d.key not in won]
+        if missed:
+            self._claimed_none(missed)
+        self._claimed(claimed.claims)
+        return claimed.claims
+
+    def _claimed(self, claims: list[Claim]) -> None:
+        if claims:
+            self.claim_step = max(self.claim_step * 0.9, MIN_CLAIM_STEP)
+        for claim in claims:
+            self.queue.discard(claim.task.key)
+            self._misses.pop(claim.task.key, None)
+
+    def _claimed_none(self, due: list[Due]) -> None:
+        """Another worker won (or the queue was stale): wait longer before racing, retry later."""
+        self.claim_step = min(self.claim_step * 1.5, MAX_CLAIM_STEP)
+        self._missed(due)
 
     def _missed(self, due: list[Due]) -> None:
-        """Nothing was claimable: retry these keys later; events usually correct them first."""
-        for entry in due if due[0].rank[0] == 1 else due[:1]:
+        """These keys were not claimable: retry them later; events usually correct them first."""
+        for entry in due:
             misses = self._misses.get(entry.key, 0) + 1
             if misses > MAX_MISSES:
                 self._misses.pop(entry.key, None)
@@ -235,7 +288,7 @@ class Worker:
     def _start(self, claim: Claim) -> None:
         execution = Execution(
             claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor,
-            observer=self.observer,
+            observer=self.observer, writes=self.writes, heartbeat=self.heartbeat,
         )  # fmt: skip
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)

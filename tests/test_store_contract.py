@@ -24,7 +24,8 @@ from taskrunner import (
     TaskState,
 )
 from taskrunner.models import WorkerInfo
-from taskrunner.store.base import ChangeEvent, ChangeStream, Store
+from taskrunner.rules import RunStatus
+from taskrunner.store.base import ChangeEvent, ChangeStream, RunWrite, Store
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]
@@ -421,3 +422,68 @@ async def test_a_dead_lease_that_spends_the_budget_ends_the_task(store: Store) -
     assert (ended.state, ended.failures, ended.workers, ended.attempts) == (TaskState.FAIL, 1, [], 1)
     assert ended.finished_at is not None and ended.claimable_at is None
     assert (await store.retry("last")).state is TaskState.PENDING
+
+
+async def test_claim_many_claims_each_eligible_key_under_its_own_run_id(store: Store) -> None:
+    """One batched claim takes every listed key still claimable, skips taken or unknown ones."""
+    await publish(store, *(task(f"b{i}", priority=i) for i in range(4)), task("other", name="else"))
+    taken = await store.claim("w2", key="b3")
+    assert taken is not None
+    claimed = await store.claim_many("w1", ["b0", "b1", "b2", "b3", "gone", "other"], names=["job"])
+    assert sorted(c.task.key for c in claimed.claims) == ["b0", "b1", "b2"] and claimed.rejected == []
+    assert len({c.run_id for c in claimed.claims}) == 3
+    for c in claimed.claims:
+        assert c.entry.worker_id == "w1" and c.task.state is TaskState.RUNNING
+        assert (await store.get(c.task.key)).entry(c.run_id) is not None
+    assert (await store.claim_many("w3", ["b0", "b1"])).claims == []
+
+
+async def test_claim_many_records_a_malformed_document_as_its_failure(store: Store, raw_insert: Raw) -> None:
+    """A claimable but unreadable document is rejected (not returned) and cannot loop."""
+    await publish(store, task("fine"))
+    good = (await store.get("fine")).model_dump(by_alias=True)
+    await raw_insert(
+        {**{k: v for k, v in good.items() if k != "_id"}, "key": "bad", "params": "x", "name": 5}
+    )
+    claimed = await store.claim_many("w1", ["fine", "bad"])
+    assert [c.task.key for c in claimed.claims] == ["fine"]
+    assert len(claimed.rejected) <= 1  # a store whose claim filter skips it rejects nothing
+
+
+async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(store: Store) -> None:
+    """One batch: renewals and outcomes land where the run owns its entry; each refusal says why."""
+    await publish(store, *(task(f"r{i}", options={"ping_timeout": 30}) for i in range(5)))
+    claims = {c.task.key: c for c in (await store.claim_many("w1", [f"r{i}" for i in range(5)])).claims}
+    assert len(claims) == 5
+    await store.release("r1", claims["r1"].run_id)  # r1: no longer owned
+    await store.cancel("r2")
+    await store.succeed("r4", claims["r4"].run_id, "first")  # r4: outcome already written
+
+    def write(kind: Any, key: str, value: Any = None) -> RunWrite:
+        return RunWrite(kind, key, claims[key].run_id, "w1", value)
+
+    results = await store.write_runs([
+        write("ping", "r0", {"p": 1}), write("ping", "r1"), write("ping", "r2"),
+        write("success", "r3", 42), write("failure", "r1", TaskError(type="X", message="m")),
+    ])  # fmt: skip
+    assert results == [RunStatus.DONE, RunStatus.LOST, RunStatus.CANCELED, RunStatus.DONE, RunStatus.LOST]
+    # A retried outcome whose first try landed reports DONE and changes nothing.
+    assert await store.write_runs([write("success", "r4", "again")]) == [RunStatus.DONE]
+    r0 = await store.get("r0")
+    assert r0.entry(claims["r0"].run_id).progress == {"p": 1}  # type: ignore[union-attr]
+    assert r0.entry(claims["r0"].run_id).ping_at > claims["r0"].entry.ping_at  # type: ignore[union-attr]
+    assert (await store.get("r3")).state is TaskState.SUCCESS and (await store.get("r3")).results == [42]
+    assert (await store.get("r4")).results == ["first"]
+    assert (await store.get("r1")).workers == []
+
+
+async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(store: Store) -> None:
+    """A run whose worker was removed from worker_ids gets NOT_ALLOWED and no renewal."""
+    await publish(store, task("pinned", options={"worker_ids": ["w1"]}))
+    claim = await store.claim("w1", key="pinned")
+    assert claim is not None
+    ping = RunWrite("ping", "pinned", claim.run_id, "w1")
+    assert await store.write_runs([ping]) == [RunStatus.DONE]
+    await publish(store, task("pinned", options={"worker_ids": ["w9"]}))  # no change: it is running
+    assert await store.write_runs([RunWrite("ping", "pinned", claim.run_id, "w2")]) == [RunStatus.NOT_ALLOWED]
+    assert await store.write_runs([]) == []

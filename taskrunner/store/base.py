@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
+from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
+from taskrunner.rules import RunStatus
 
 EventKind = Literal["insert", "update", "replace", "delete"]
+RunWriteKind = Literal["ping", "success", "failure"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,31 @@ class Claim:
         entry = self.task.entry(self.run_id)
         assert entry is not None, "a claim always holds its own entry"
         return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What one batched claim got: the claims, and the claimed documents that did not
+    read back as tasks (each already recorded as its run's failure, so it cannot loop)."""
+
+    claims: list[Claim]
+    rejected: list[MalformedTask]
+
+
+@dataclass(frozen=True, slots=True)
+class RunWrite:
+    """One fenced write for one run: a lease renewal (``value`` is progress or None),
+    or its outcome (``value`` is the result, or the ``TaskError`` of a failure)."""
+
+    kind: RunWriteKind
+    key: str
+    run_id: str
+    worker_id: str
+    value: Any = None
+
+
+RunResult = RunStatus | StoreError
+"""Per write: how it went, or the error that write alone met (e.g. a validator's refusal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +122,23 @@ class Store(Protocol):
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
     ) -> Claim | None:
         """Atomically claim ``key`` (or the best claimable task) for ``worker_id``."""
+
+    async def claim_many(
+        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+    ) -> Claimed:
+        """Atomically claim, each on its own, every one of ``keys`` still claimable by
+        ``worker_id``, in at most two round trips (an update and a read back)."""
+
+    async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+        """Apply many runs' fenced writes in one round trip; one result per write.
+
+        A renewal lands only while the run owns a RUNNING entry, the task is not
+        CANCELED and ``worker_ids`` still allow the worker; otherwise its status says
+        which (``LOST``, ``CANCELED``, ``NOT_ALLOWED``), and nothing is written. An
+        outcome is ``DONE`` once the entry holds it (so a retried outcome that landed
+        before is ``DONE`` too), else ``LOST``. ``UNCONFIRMED``: the run still owns its
+        entry but this renewal cannot be shown to have landed; renew again.
+        Raises ``StoreError`` when the whole batch failed (e.g. the server is away)."""
 
     async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
         """Extend the run's lease to server now + ping_timeout."""

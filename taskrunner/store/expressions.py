@@ -150,12 +150,13 @@ REAPABLE: Expr = {
 }
 
 
-def claim_update(worker_id: str, run_id: str) -> list[Expr]:
+def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     """Drop expired leases (each spends a failure) and append this worker's entry, or
-    none when the task is ``REAPABLE`` (it then ends FAIL)."""
+    none when the task is ``REAPABLE`` (it then ends FAIL). ``run_id`` is a token or
+    an expression choosing one per document (``run_id_by_key``)."""
     entry = {
         f.WORKER_ID: {"$literal": worker_id},
-        f.RUN_ID: {"$literal": run_id},
+        f.RUN_ID: {"$literal": run_id} if isinstance(run_id, str) else run_id,
         f.STATE: EntryState.RUNNING.value,
         f.CLAIMED_AT: NOW,
         f.PING_AT: NOW,
@@ -177,6 +178,19 @@ def claim_update(worker_id: str, run_id: str) -> list[Expr]:
         {"$unset": ["_tr_reap"]},
         *summary_stages(),
     ]  # fmt: skip
+
+
+def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
+    """The run_id paired with the document's key: one update claims many tasks, each
+    under its own fencing token."""
+    position = {"$indexOfArray": [{"$literal": keys}, f.ref(f.KEY)]}
+    return {"$arrayElemAt": [{"$literal": run_ids}, position]}
+
+
+def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
+    """``rules.renewal_status`` is DONE: owned, not CANCELED, still allowed."""
+    allowed = [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}]
+    return {**entry_filter(key, run_id), f.STATE: {"$ne": TaskState.CANCELED.value}, "$or": allowed}
 
 
 def entry_filter(key: str, run_id: str) -> dict[str, Any]:

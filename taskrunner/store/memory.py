@@ -20,10 +20,24 @@ from bson import ObjectId
 from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, MalformedTask, TaskNotFound
-from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
+from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
+from taskrunner.rules import RunStatus
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, Claimed, EventKind, RunResult, RunWrite
 
 Doc = dict[str, Any]
+
+
+_IMMUTABLE = (str, int, float, bool, bytes, datetime, ObjectId, type(None))
+
+
+def _clone(value: Any) -> Any:
+    """A deep copy of documents as this store holds them; much cheaper than
+    ``copy.deepcopy`` because scalars (strings, numbers, dates, ids) are shared."""
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
 
 
 def _utcnow() -> datetime:
@@ -47,13 +61,14 @@ class MemoryStore:
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
         """Store a raw document as-is, as a hand-written mongo-shell insert would."""
-        doc = copy.deepcopy(doc)
+        doc = _clone(doc)
         doc.setdefault(f.ID, ObjectId())
         self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
         self._emit("insert", doc)
 
     def raw(self, key: str) -> Doc:
-        return copy.deepcopy(self._docs[key])
+        doc: Doc = _clone(self._docs[key])
+        return doc
 
     # -- Store --------------------------------------------------------------------
     async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
@@ -88,7 +103,8 @@ class MemoryStore:
         doc = {f.ID: old[f.ID] if old else ObjectId(), **rules.new_document(task, publish_id)}
         run_at = rules.start_time(task, now)
         times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
-        return copy.deepcopy({**doc, **times})
+        fresh: Doc = _clone({**doc, **times})
+        return fresh
 
     async def get(self, key: str) -> Task:
         doc = self._docs.get(key)
@@ -127,10 +143,14 @@ class MemoryStore:
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
     ) -> Claim | None:
+        return self._claim(worker_id, key, names)
+
+    def _claim(self, worker_id: str, key: str | None, names: Sequence[str] | None) -> Claim | None:
         now = self._clock()
+        docs = self._docs.values() if key is None else [d for d in [self._docs.get(key)] if d is not None]
         eligible = [
             d
-            for d in self._docs.values()
+            for d in docs
             if (key is None or d.get(f.KEY) == key)
             and (names is None or d.get(f.NAME) in names)
             and rules.claimable_by(d, worker_id, now)
@@ -152,6 +172,44 @@ class MemoryStore:
             self._emit("update", doc)
             raise
 
+    async def claim_many(
+        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+    ) -> Claimed:
+        claims: list[Claim] = []
+        rejected: list[MalformedTask] = []
+        for key in dict.fromkeys(keys):
+            try:
+                claim = self._claim(worker_id, key, names)
+            except MalformedTask as exc:
+                rejected.append(exc)
+                continue
+            if claim is not None:
+                claims.append(claim)
+        return Claimed(claims, rejected)
+
+    async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+        return [self._write_run(w) for w in writes]
+
+    def _write_run(self, write: RunWrite) -> RunResult:
+        doc = self._docs.get(write.key)
+        entry = rules.running_entry(doc, write.run_id) if doc is not None else None
+        now, value = self._clock(), _clone(write.value)
+        if write.kind == "ping":
+            status = rules.renewal_status(doc, write.run_id, write.worker_id)
+            if status is not RunStatus.DONE:
+                return status
+            assert doc is not None and entry is not None
+            rules.apply_ping(doc, entry, now, value)
+        elif doc is None or entry is None:
+            state = EntryState.SUCCESS if write.kind == "success" else EntryState.FAIL
+            return rules.outcome_status(doc, write.run_id, state)
+        elif write.kind == "success":
+            rules.apply_success(doc, entry, value, now)
+        else:
+            rules.apply_failure(doc, entry, value.model_dump(), now)
+        self._emit("update", doc)
+        return RunStatus.DONE
+
     def _run_write(self, key: str, run_id: str, apply: Callable[[Doc, Doc, datetime], None]) -> Task:
         doc = self._docs.get(key)
         entry = rules.running_entry(doc, run_id) if doc is not None else None
@@ -162,11 +220,11 @@ class MemoryStore:
         return self._task(doc)
 
     async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        progress = copy.deepcopy(progress)
+        progress = _clone(progress)
         return self._run_write(key, run_id, lambda d, e, now: rules.apply_ping(d, e, now, progress))
 
     async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
-        result = copy.deepcopy(result)
+        result = _clone(result)
         return self._run_write(key, run_id, lambda d, e, now: rules.apply_success(d, e, result, now))
 
     async def fail(self, key: str, run_id: str, error: TaskError) -> Task:
@@ -270,7 +328,7 @@ class MemoryStore:
     # -- internals ------------------------------------------------------------------
     def _emit(self, kind: EventKind, doc: Doc | None, key: str | None = None) -> None:
         self._seq += 1
-        snapshot = copy.deepcopy(doc)
+        snapshot = _clone(doc)
         key = key if doc is None else doc.get(f.KEY)
         self._events.append((self._seq, kind, key, snapshot))
         del self._events[: max(0, len(self._events) - self._history)]
@@ -287,12 +345,12 @@ class MemoryStore:
 
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
-        return Task.from_document(copy.deepcopy(doc), created=created)
+        return Task.from_document(_clone(doc), created=created)
 
     @staticmethod
     def _readable(doc: Doc) -> Task | None:
         try:
-            return Task.from_document(copy.deepcopy(doc))
+            return Task.from_document(_clone(doc))
         except MalformedTask:
             return None
 
@@ -331,7 +389,9 @@ class _MemoryChangeStream:
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None] | None:
-        for event in self._store._events:
+        events = self._store._events
+        start = max(0, self._position + 1 - events[0][0]) if events else 0  # sequence numbers are contiguous
+        for event in events[start:]:
             if event[0] <= self._position:
                 continue
             if self._key is None or (event[3] is not None and event[2] == self._key):

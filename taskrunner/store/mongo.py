@@ -36,8 +36,9 @@ from taskrunner.errors import (
 )
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
 from taskrunner.redact import redact
+from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, EventKind
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, Claimed, EventKind, RunResult, RunWrite
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
@@ -71,6 +72,14 @@ def mapped_errors() -> Iterator[None]:
         raise StoreError(redact(str(exc))) from exc
     except pe.PyMongoError as exc:
         raise StoreError(redact(str(exc))) from exc
+
+
+def _write_error(error: Doc) -> StoreError:
+    """One write's error in a bulk write, as taskrunner's exception."""
+    message = redact(str(error.get("errmsg", error)))
+    if error.get("code") == _DOCUMENT_INVALID:
+        return WriteRejected(f"the collection's validator rejected the write: {message}")
+    return StoreError(message)
 
 
 class MongoStore:
@@ -267,6 +276,84 @@ class MongoStore:
         except MalformedTask as exc:
             await self._reject(doc[f.ID], run_id, exc)
             raise
+
+    async def claim_many(
+        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+    ) -> Claimed:
+        keys = list(dict.fromkeys(keys))
+        run_ids = [uuid.uuid4().hex for _ in keys]
+        query = {**x.claim_filter(worker_id), f.KEY: {"$in": keys}}
+        if names is not None:
+            query[f.NAME] = {"$in": list(names)}
+        update = x.claim_update(worker_id, x.run_id_by_key(keys, run_ids))
+        with mapped_errors():
+            if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
+                return Claimed([], [])
+            mine = {f.KEY: {"$in": keys}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": run_ids}}
+            docs = await self.collection.find(mine).to_list()
+        token = dict(zip(keys, run_ids, strict=True))
+        claimed = Claimed([], [])
+        for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
+            try:
+                claimed.claims.append(Claim(self._task(doc), token[doc[f.KEY]]))
+            except MalformedTask as exc:
+                await self._reject(doc[f.ID], token[doc[f.KEY]], exc)
+                claimed.rejected.append(exc)
+        return claimed
+
+    async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+        if not writes:
+            return []
+        errors: dict[int, StoreError] = {}
+        try:
+            with mapped_errors():
+                result = await self.collection.bulk_write([self._run_op(w) for w in writes], ordered=False)
+            matched = result.matched_count
+        except StoreError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, pe.BulkWriteError):
+                raise
+            matched = cause.details.get("nMatched", 0)
+            errors = {e["index"]: _write_error(e) for e in cause.details.get("writeErrors", [])}
+        if matched + len(errors) == len(writes):
+            return [errors.get(i, RunStatus.DONE) for i in range(len(writes))]
+        return await self._resolve(writes, matched, errors)
+
+    @staticmethod
+    def _run_op(write: RunWrite) -> UpdateOne:
+        if write.kind == "ping":
+            filter_ = x.renewal_filter(write.key, write.run_id, write.worker_id)
+            return UpdateOne(filter_, x.ping_update(write.run_id, write.value))
+        update = (x.success_update(write.run_id, write.value) if write.kind == "success"
+                  else x.failure_update(write.run_id, write.value.model_dump()))  # fmt: skip
+        return UpdateOne(x.entry_filter(write.key, write.run_id), update)
+
+    async def _resolve(
+        self, writes: Sequence[RunWrite], matched: int, errors: dict[int, StoreError]
+    ) -> list[RunResult]:
+        """Some writes matched nothing: read the documents back to tell which, and why."""
+        fields = [f.KEY, f.STATE, f.opt(f.WORKER_IDS), f"{f.WORKERS}.{f.RUN_ID}", f"{f.WORKERS}.{f.STATE}"]
+        with mapped_errors():
+            cursor = self.collection.find(
+                {f.KEY: {"$in": list({w.key for w in writes})}}, dict.fromkeys(fields, 1)
+            )
+            docs = {d[f.KEY]: d async for d in cursor}
+        results: list[RunResult] = []
+        for i, w in enumerate(writes):
+            doc = docs.get(w.key)
+            if i in errors:
+                results.append(errors[i])
+            elif w.kind == "ping":
+                results.append(rules.renewal_status(doc, w.run_id, w.worker_id))
+            else:
+                state = EntryState.SUCCESS if w.kind == "success" else EntryState.FAIL
+                results.append(rules.outcome_status(doc, w.run_id, state))
+        if results.count(RunStatus.DONE) > matched:
+            # More look done than matched (an outcome written by an earlier try counts):
+            # a renewal among them cannot be shown to have landed now.
+            results = [RunStatus.UNCONFIRMED if r is RunStatus.DONE and w.kind == "ping" else r
+                       for r, w in zip(results, writes, strict=True)]  # fmt: skip
+        return results
 
     async def _reject(self, doc_id: Any, run_id: str, exc: MalformedTask) -> None:
         """Record a claimed but unreadable document as this run's failure, so it cannot loop."""

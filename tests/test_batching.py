@@ -1,0 +1,166 @@
+"""Batching in the worker: group-committed run writes, one shared heartbeat, batched claims
+(memory store, counting every store call the way round trips would be counted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from test_engine_units import run_until
+
+from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
+from taskrunner.heartbeat import Heartbeat, Lease
+from taskrunner.rules import RunStatus
+from taskrunner.store.base import Claim, Claimed, RunResult, RunWrite
+from taskrunner.worker import Worker
+from taskrunner.writes import RunWrites
+
+
+class CountingStore(MemoryStore):
+    """Counts the calls that would each be one round trip, and what each batch carried."""
+
+    def __init__(self, *, delay: float = 0.0) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.batches: list[list[RunWrite]] = []
+        self.delay = delay
+
+    async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+        self.calls["write_runs"] += 1
+        self.batches.append(list(writes))
+        await asyncio.sleep(self.delay)  # a round trip takes time; writes meanwhile queue up
+        return await super().write_runs(writes)
+
+    async def claim(self, worker_id: str, **kwargs: Any) -> Claim | None:
+        self.calls["claim"] += 1
+        return await super().claim(worker_id, **kwargs)
+
+    async def claim_many(self, worker_id: str, keys: Sequence[str], **kwargs: Any) -> Claimed:
+        self.calls["claim_many"] += 1
+        return await super().claim_many(worker_id, keys, **kwargs)
+
+
+def app(store: MemoryStore, seconds: float = 0.0) -> tuple[TaskRunner, list[str]]:
+    runner = TaskRunner(store=store)
+    done: list[str] = []
+
+    @runner.task("job")
+    async def job(params: dict[str, Any], ctx: TaskContext) -> None:
+        await asyncio.sleep(seconds)
+        done.append(ctx.key)
+
+    return runner, done
+
+
+async def test_writes_submitted_during_a_round_trip_go_out_together() -> None:
+    """Group commit: the first write leaves alone, the ones queued behind it share one batch."""
+    store = CountingStore(delay=0.05)
+    await store.publish([TaskRunner(store=store).new_task({"name": "job", "key": f"k{i}"}) for i in range(5)])
+    claims = (await store.claim_many("w1", [f"k{i}" for i in range(5)])).claims
+    writes = RunWrites(store)
+    submit = [writes.submit(RunWrite("success", c.task.key, c.run_id, "w1", i)) for i, c in enumerate(claims)]
+    first = asyncio.create_task(submit[0])
+    await asyncio.sleep(0.01)  # the first batch is on the wire
+    results = await asyncio.gather(first, *submit[1:])
+    assert results == [RunStatus.DONE] * 5
+    assert [len(b) for b in store.batches] == [1, 4]
+    assert [(await store.get(f"k{i}")).state for i in range(5)] == [TaskState.SUCCESS] * 5
+
+
+async def test_fifty_runs_cost_about_one_renewal_write_per_interval() -> None:
+    """1 worker x 50 long tasks: lease renewals are one write per ping_interval, not 50."""
+    store = CountingStore()
+    runner, _ = app(store, seconds=30)
+    await runner.publish_many([{"name": "job", "key": f"k{i}", "ping_interval": 0.2} for i in range(50)])
+    worker = Worker(runner, concurrency=50, worker_id="w1")
+    running = asyncio.create_task(worker.run())
+    try:
+        while len(worker.runs) < 50:
+            await asyncio.sleep(0.02)
+        before = store.calls["write_runs"]
+        await asyncio.sleep(1.0)  # five intervals
+        pings = store.batches[-1]
+        assert 3 <= store.calls["write_runs"] - before <= 7
+        assert len(pings) == 50 and {w.kind for w in pings} == {"ping"}
+        tasks = [await store.get(f"k{i}") for i in range(50)]
+        assert all(
+            t.state is TaskState.RUNNING and t.workers[0].ping_at > t.workers[0].claimed_at for t in tasks
+        )
+    finally:
+        worker.stop()
+        await running
+
+
+async def test_a_shared_renewal_stops_exactly_the_runs_it_lost() -> None:
+    """Of three runs, the one whose entry is gone, and the canceled one, stop; the third keeps its lease."""
+    store = CountingStore()
+    runner, _ = app(store)
+    await runner.publish_many([{"name": "job", "key": k, "ping_interval": 0.1} for k in "abc"])
+    claims = {c.task.key: c for c in (await store.claim_many("w1", list("abc"))).claims}
+    ended: dict[str, RunStatus | None] = {}
+    heartbeat = Heartbeat(RunWrites(store), "w1")
+
+    def ender(key: str) -> Callable[[RunStatus | None], None]:
+        return lambda status: ended.__setitem__(key, status)
+
+    for key, claim in claims.items():
+        heartbeat.add(Lease(key, claim.run_id, 0.1, 5.0, ender(key)))
+    await store.release("a", claims["a"].run_id)
+    await runner.cancel("b")
+    await asyncio.sleep(0.35)
+    assert ended == {"a": RunStatus.LOST, "b": RunStatus.CANCELED}
+    assert len(heartbeat) == 1
+    entry = (await store.get("c")).entry(claims["c"].run_id)
+    assert entry is not None and entry.ping_at > claims["c"].entry.ping_at
+    heartbeat.remove(claims["c"].run_id)
+
+
+async def test_a_lease_that_cannot_be_renewed_fences_itself_after_ping_timeout() -> None:
+    """When renewals keep failing, each run is stopped once its own ping_timeout passes unconfirmed."""
+
+    class Away(CountingStore):
+        async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+            from taskrunner.errors import StoreUnavailable
+
+            raise StoreUnavailable("MongoDB unavailable: test")
+
+    store = Away()
+    runner, _ = app(store)
+    await runner.publish_many([{"name": "job", "key": k} for k in "ab"])
+    claims = (await store.claim_many("w1", ["a", "b"])).claims
+    ended: dict[str, tuple[RunStatus | None, float]] = {}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    heartbeat = Heartbeat(RunWrites(store), "w1")
+
+    def ender(key: str) -> Callable[[RunStatus | None], None]:
+        return lambda status: ended.__setitem__(key, (status, loop.time() - start))
+
+    for claim, timeout in zip(claims, (0.3, 0.6), strict=True):
+        heartbeat.add(Lease(claim.task.key, claim.run_id, 0.1, timeout, ender(claim.task.key)))
+    await asyncio.sleep(0.9)
+    assert {k: v[0] for k, v in ended.items()} == {"a": None, "b": None}
+    assert 0.25 <= ended["a"][1] < ended["b"][1] < 0.85
+
+
+async def test_free_slots_claim_due_tasks_in_batches() -> None:
+    """With ten slots free and 40 tasks due, claims take several tasks per round trip."""
+    store = CountingStore()
+    runner, done = app(store, seconds=0.05)
+    await runner.publish_many([{"name": "job", "key": f"k{i:02}"} for i in range(40)])
+    worker = Worker(runner, concurrency=10, worker_id="w1")
+    await run_until(worker, lambda: len(done) == 40)
+    assert sorted(done) == [f"k{i:02}" for i in range(40)]
+    assert store.calls["claim_many"] >= 1
+    assert store.calls["claim"] + store.calls["claim_many"] <= 20
+
+
+async def test_batch_one_claims_one_task_per_round_trip() -> None:
+    """``batch=1`` never batches claims."""
+    store = CountingStore()
+    runner, done = app(store)
+    await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(12)])
+    await run_until(Worker(runner, concurrency=6, worker_id="w1", batch=1), lambda: len(done) == 12)
+    assert store.calls["claim_many"] == 0 and store.calls["claim"] >= 12
