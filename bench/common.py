@@ -83,6 +83,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[0] if index < 0 else ordered[-1] if index >= len(cut) else cut[index]
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: ``"2,4,8"`` -> ``[2, 4, 8]`` (positive numbers, one result each)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive numbers, got {text!r}")
+    return values
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--results PATH`` and ``--smoke`` (tiny run for CI) on every script."""
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines file to append to")

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from common import add_common_args, emit
+from common import add_common_args, emit, int_list
 from pymongo import AsyncMongoClient
 
 from taskrunner import MongoStore, TaskContext, TaskRunner
@@ -107,14 +107,16 @@ async def measure(workers: int, tasks: int, concurrency: int, batch: int, settle
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", default="3", help="comma list: one result per worker count")
+    parser.add_argument(
+        "--workers", type=int_list, default=[3], help="comma list: one result per worker count"
+    )
     parser.add_argument("--tasks", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=10, help="slots per worker")
     parser.add_argument("--no-batching", action="store_true", help="claim one task per round trip (batch=1)")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds before counting starts")
     add_common_args(parser)
     args = parser.parse_args()
-    counts = [int(w) for w in args.workers.split(",")]
+    counts = args.workers
     if args.smoke:
         counts, args.tasks, args.settle = [2], 10, 0.5
     configure_logging("console", "error")

@@ -34,31 +34,143 @@ def test_roundtrips_smoke(tmp_path: Path) -> None:
     result = run_bench("roundtrips.py", "--smoke", results=tmp_path / "results.jsonl")
     assert result["bench"] == "roundtrips"
     assert result["tasks"] == 10
-    assert result["per_task_by_command"]["findAndModify"] >= 2.0  # one claim and one finish per task
-    assert result["roundtrips_per_task"] == pytest.approx(
-        sum(result["per_task_by_command"].values()), abs=0.01
-    )
-    assert set(result["per_task_by_job"]) >= {"claim_ping_finish"}
+    by_command = result["per_task_by_command"]
+    # Claims and outcomes are writes: one findAndModify each, or fewer bulk updates with batching.
+    assert by_command.get("findAndModify", 0) + by_command.get("update", 0) > 0
+    assert result["roundtrips_per_task"] == pytest.approx(sum(by_command.values()), abs=0.01)
+    assert result["roundtrips_per_task"] == pytest.approx(sum(result["per_task_by_job"].values()), abs=0.01)
     assert (
         result["server_opcounters_delta"] == "unsupported" or "command" in result["server_opcounters_delta"]
     )
 
 
 def test_claim_storm_smoke(tmp_path: Path) -> None:
-    """``claim_storm.py`` with two workers and three tasks reports attempts per claim."""
-    result = run_bench(
-        "claim_storm.py",
-        "--workers",
-        "2",
-        "--tasks",
-        "3",
-        "--gap",
-        "0.05",
-        results=tmp_path / "results.jsonl",
-    )
+    """``claim_storm.py --smoke`` (two workers, three tasks) reports attempts per claim under config."""
+    result = run_bench("claim_storm.py", "--smoke", results=tmp_path / "results.jsonl")
     assert result["bench"] == "claim_storm"
+    assert result["config"] == {"workers": 2}
+    assert result["smoke"] is True
     assert result["claims"] == 3
+    assert result["claim_attempts"] >= 3
     assert result["attempts_per_claim"] >= 1.0
+    assert 0 < result["pickup_p50_ms"] <= result["pickup_max_ms"]
+
+
+def test_claim_storm_takes_a_list_of_worker_counts(tmp_path: Path) -> None:
+    """``--workers 1,2`` prints and records one line per worker count."""
+    results = tmp_path / "results.jsonl"
+    run_bench(
+        "claim_storm.py", "--workers", "1,2", "--tasks", "2", "--gap", "0.02", "--settle", "0.3",
+        results=results,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["config"] for line in lines] == [{"workers": 1}, {"workers": 2}]
+    assert all(line["claims"] == 2 for line in lines)
+
+
+def test_cpu_smoke(tmp_path: Path) -> None:
+    """``cpu.py --smoke`` reports worker CPU per no-op task with the in-memory store."""
+    result = run_bench("cpu.py", "--smoke", results=tmp_path / "results.jsonl")
+    assert result["bench"] == "cpu"
+    assert result["config"] == {"store": "memory", "concurrency": 10}
+    assert result["tasks"] == 50
+    assert result["cpu_ms_per_task"] > 0
+    assert result["engine_ms_per_task"] + result["store_ms_per_task"] == pytest.approx(
+        result["cpu_ms_per_task"], abs=0.01
+    )
+    assert result["tasks_per_s"] > 0
+
+
+def test_heartbeat_smoke(tmp_path: Path) -> None:
+    """``heartbeat.py --smoke`` counts task-collection writes per ping interval with two runs in flight."""
+    result = run_bench("heartbeat.py", "--smoke", results=tmp_path / "results.jsonl")
+    assert result["bench"] == "heartbeat"
+    assert result["config"] == {"in_flight": 2, "ping_interval": 0.5}
+    assert result["intervals"] == 2.0
+    assert result["heartbeat_writes"] == sum(result["writes_by_command"].values())
+    assert 0 < result["writes_per_interval"] <= 2 * 2  # pings of two runs, however batched
+    assert result["statements"] >= result["heartbeat_writes"]
+
+
+MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "os": "Linux", "python": "3.13.0",
+           "pymongo": "4.20.0", "mongoeco": "4.11.0", "taskrunner": "0.1.0"}  # fmt: skip
+
+
+def synthetic_lines() -> list[dict[str, Any]]:
+    """Four runs of every bench in the shapes the scripts emit (the report uses the latest three)."""
+    configs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    for workers in (1, 2, 4, 8):
+        for batching in (True, False):
+            configs.append(("roundtrips", {"workers": workers, "concurrency": 10, "batching": batching},
+                            {"roundtrips_per_task": 2.5, "worker_writes_per_task": 1.1 if batching else 1.9,
+                             "per_task_by_job": {"claim_ping_finish": 1.5, "discovery": 0.5}}))  # fmt: skip
+    for workers in (2, 4, 8, 16):
+        configs.append(("claim_storm", {"workers": workers},
+                        {"claims": 30, "claim_attempts": 36, "attempts_per_claim": 1.2,
+                         "pickup_p50_ms": 14.0, "pickup_max_ms": 40.0}))  # fmt: skip
+    for mode in ("stream", "polling", "baseline-poll-100ms"):
+        configs.append(("pickup", {"mode": mode}, {"p50_ms": 9.0, "p90_ms": 12.0, "p99_ms": 50.0,
+                                                   "max_ms": 60.0, "latencies_ms": [5.0, 9.0, 50.0]}))  # fmt: skip
+    for system in ("taskrunner", "baseline"):
+        for workers in (1, 2):
+            configs.append(("throughput", {"system": system, "workers": workers, "concurrency": 4},
+                            {"tasks_per_s": 100.0 * workers, "roundtrips_per_task": 3.0}))  # fmt: skip
+    for sig in ("SIGKILL", "SIGTERM"):
+        configs.append(("takeover", {"signal": sig, "ping_timeout": 3},
+                        {"samples": [1.0, 2.0, 3.5], "median_s": 2.0, "max_s": 3.5}))  # fmt: skip
+    for concurrency in (10, 50):
+        configs.append(("cpu", {"store": "memory", "concurrency": concurrency},
+                        {"tasks": 3000, "cpu_ms_per_task": 0.25, "engine_ms_per_task": 0.125,
+                         "store_ms_per_task": 0.125, "wall_s": 2.0, "tasks_per_s": 1500.0}))  # fmt: skip
+    for k in (1, 10, 50):
+        configs.append(("heartbeat", {"in_flight": k, "ping_interval": 0.5},
+                        {"heartbeat_writes": 8, "intervals": 8.0, "writes_per_interval": 1.0,
+                         "statements": 8 * k, "statements_per_interval": float(k)}))  # fmt: skip
+    return [
+        {"bench": bench, "config": config, **figures, "smoke": False, "machine": MACHINE,
+         "when": f"2026-11-22T08:0{run}:00"}
+        for run in range(4) for bench, config, figures in configs
+    ]  # fmt: skip
+
+
+def render_report(results: Path, out: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "report.py"), "--results", str(results), "--out", str(out)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out.read_text()
+
+
+def test_report_renders_every_bench(tmp_path: Path) -> None:
+    """``report.py`` renders a section, table and plot per bench; smoke and config-less lines are ignored."""
+    results = tmp_path / "results.jsonl"
+    old = {"bench": "claim_storm", "workers": 16, "attempts_per_claim": 987.6, "when": "2026-11-22T09:00:00"}
+    smoke = {"bench": "cpu", "config": {"store": "memory", "concurrency": 10}, "cpu_ms_per_task": 765.4,
+             "smoke": True, "when": "2026-11-22T09:00:00"}  # fmt: skip
+    lines = [old, *synthetic_lines(), smoke]
+    results.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
+    text = render_report(results, tmp_path / "docs" / "benchmarks.md")
+    for heading in ("## Targets", "## Round trips per task", "## Claim attempts per claim", "## Pickup latency",
+                    "## Throughput", "## Takeover time", "## Worker CPU per task", "## Heartbeat writes",
+                    "## Machine and dates"):  # fmt: skip
+        assert heading in text
+    assert "Not run yet" not in text
+    assert "987.6" not in text and "765.4" not in text  # the old-format line and the smoke line
+    assert "| claim attempts per claim ≤ 1.3 with 16 workers | 1.2 | yes |" in text
+    assert "| 16 | 1.2 | 30 | 14 | 40 | 3 |" in text  # latest 3 of 4 runs
+    assert "Test CPU" in text and "2026-11-22T08:01:00" in text and "2026-11-22T08:00:00" not in text
+    plots = tmp_path / "docs" / "benchmarks"
+    for name in ("roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
+        assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+        assert f"](benchmarks/{name}.png)" in text
+
+
+def test_report_without_results_says_not_run_yet(tmp_path: Path) -> None:
+    """Missing benches render as "not run yet" instead of failing."""
+    text = render_report(tmp_path / "missing.jsonl", tmp_path / "benchmarks.md")
+    assert text.count("Not run yet") == 7
+    assert "](benchmarks/" not in text
 
 
 def test_explain_without_a_real_mongodb_says_so(tmp_path: Path) -> None:

@@ -1,0 +1,441 @@
+"""Render the benchmark results as docs/benchmarks.md with PNG plots in docs/benchmarks/.
+
+Reads the JSON lines of bench/results.jsonl (format in bench/common.py), drops
+smoke runs and lines without a ``config`` (older formats), groups the rest by
+(bench, config) and reports, per group, the **median of the latest 3 runs** of
+each figure (``n=2`` etc. when fewer); list figures (latencies, samples) are
+pooled over those runs. Benches without results render as "not run yet". ``--include-smoke`` keeps smoke
+lines (only for checking the rendering: bench/suite.py --smoke).
+
+    uv run python bench/report.py [--results bench/results.jsonl] [--out docs/benchmarks.md]
+
+Plots go next to the markdown, into ``<out dir>/benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on CI or servers
+import matplotlib.pyplot as plt  # after choosing the backend
+
+HERE = Path(__file__).resolve().parent
+LATEST = 3
+NONE = "-"  # a figure no run reported
+META = {"bench", "config", "smoke", "machine", "when"}
+
+
+# -- loading and grouping ------------------------------------------------------------------
+@dataclass
+class Group:
+    """The latest runs of one bench with one config."""
+
+    bench: str
+    config: dict[str, Any]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+    def median(self, figure: str) -> float | None:
+        values = [r[figure] for r in self.runs if isinstance(r.get(figure), int | float)]
+        return statistics.median(values) if values else None
+
+    def median_dict(self, figure: str) -> dict[str, float]:
+        """Per-key medians of a dict figure (e.g. per_task_by_job)."""
+        keys = sorted({k for r in self.runs if isinstance(r.get(figure), dict) for k in r[figure]})
+        out = {}
+        for key in keys:
+            values = [r[figure][key] for r in self.runs if isinstance(r.get(figure), dict)
+                      and isinstance(r[figure].get(key), int | float)]  # fmt: skip
+            if values:
+                out[key] = statistics.median(values)
+        return out
+
+    def pooled(self, figure: str) -> list[float]:
+        return [float(v) for r in self.runs if isinstance(r.get(figure), list) for v in r[figure]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.config.get(key, default)
+
+
+def load(path: Path, *, smoke: bool = False) -> list[dict[str, Any]]:
+    """Usable lines: parsed, with a dict ``config``, not smoke unless asked; in file order."""
+    lines = []
+    if not path.exists():
+        return lines
+    for raw in path.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if (
+            isinstance(line, dict)
+            and isinstance(line.get("config"), dict)
+            and (smoke or not line.get("smoke"))
+        ):
+            lines.append(line)
+    return lines
+
+
+def group(lines: Iterable[dict[str, Any]]) -> dict[str, list[Group]]:
+    """bench -> its groups, each holding its latest ``LATEST`` runs (by ``when``, then file order)."""
+    by_key: dict[tuple[str, str], Group] = {}
+    ordered = sorted(enumerate(lines), key=lambda il: (str(il[1].get("when", "")), il[0]))
+    for _, line in ordered:
+        key = (str(line.get("bench")), json.dumps(line["config"], sort_keys=True))
+        by_key.setdefault(key, Group(key[0], line["config"])).runs.append(line)
+    benches: dict[str, list[Group]] = {}
+    for g in by_key.values():
+        g.runs = g.runs[-LATEST:]
+        benches.setdefault(g.bench, []).append(g)
+    return benches
+
+
+# -- formatting ---------------------------------------------------------------------------
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return NONE
+    return f"{value:.{digits}f}".rstrip("0").rstrip(".") if digits else f"{value:.0f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
+
+
+def numeric(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else float("inf")
+
+
+class Report:
+    """Accumulates markdown lines and writes plots next to it."""
+
+    def __init__(self, out: Path, benches: dict[str, list[Group]]) -> None:
+        self.out, self.benches = out, benches
+        self.plots = out.parent / "benchmarks"
+        self.lines: list[str] = []
+
+    def groups(self, bench: str, key: Callable[[Group], Any] | None = None) -> list[Group]:
+        found = self.benches.get(bench, [])
+        return sorted(found, key=key) if key else found
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def plot(self, name: str, title: str, draw: Callable[[Any], None]) -> None:
+        """Draw one figure into ``benchmarks/<name>.png`` and link it."""
+        self.plots.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        try:
+            draw(ax)
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize="small")
+            fig.tight_layout()
+            fig.savefig(self.plots / f"{name}.png", dpi=100)
+        finally:
+            plt.close(fig)
+        self.add("", f"![{title}](benchmarks/{name}.png)")
+
+    def command(self, *commands: str) -> None:
+        self.add("", "Reproduce:", "", "```sh", *commands, "```")
+
+    def not_run(self, bench: str) -> bool:
+        if self.groups(bench):
+            return False
+        self.add("", f"Not run yet (no `{bench}` results).")
+        return True
+
+
+# -- targets ------------------------------------------------------------------------------
+def worst(groups: list[Group], figure: str) -> float | None:
+    values = [v for g in groups if (v := g.median(figure)) is not None]
+    return max(values) if values else None
+
+
+def target_rows(r: Report) -> list[list[str]]:
+    rows = []
+
+    def row(target: str, measured: float | None, limit: float, note: str, digits: int = 2) -> None:
+        met = "not run yet" if measured is None else ("yes" if measured <= limit else "**no**")
+        rows.append([target, NONE if measured is None else f"{fmt(measured, digits)} {note}".strip(), met])
+
+    for batching, limit in ((False, 2.0), (True, 1.2)):
+        gs = [g for g in r.groups("roundtrips") if bool(g.get("batching")) is batching]
+        label = "with batching" if batching else "default (no batching)"
+        total = worst(gs, "roundtrips_per_task")
+        note = f"(worst over workers; all commands: {fmt(total)})" if total is not None else ""
+        measured = worst(gs, "worker_writes_per_task")
+        row(f"worker round trips per task ≤ {limit}, {label}", measured, limit, note)
+    storm = [g for g in r.groups("claim_storm") if g.get("workers") == 16]
+    row("claim attempts per claim ≤ 1.3 with 16 workers", worst(storm, "attempts_per_claim"), 1.3, "")
+    stream = [g for g in r.groups("pickup") if g.get("mode") == "stream"]
+    row("pickup p50 ≤ 15 ms (streams)", worst(stream, "p50_ms"), 15, "ms")
+    row("pickup p99 ≤ 100 ms (streams)", worst(stream, "p99_ms"), 100, "ms")
+    cpu = r.groups("cpu")
+    engine = worst(cpu, "engine_ms_per_task")
+    note = f"ms (worst over concurrency; engine alone: {fmt(engine, 3)})" if engine is not None else "ms"
+    row("worker CPU ≤ 0.3 ms per no-op task", worst(cpu, "cpu_ms_per_task"), 0.3, note, digits=3)
+    beat = [g for g in r.groups("heartbeat") if g.get("in_flight") == 50]
+    row("heartbeat ≈ 1 write per interval at 50 in flight (≤ 1.5)", worst(beat, "writes_per_interval"), 1.5,
+        "")  # fmt: skip
+    return rows
+
+
+def targets(r: Report) -> None:
+    r.add("## Targets", "",
+          "Round trips per task count the **worker side: claim + heartbeats + finish** "
+          "(`worker_writes_per_task`), as the issue does; all worker commands (discovery, "
+          "registry, clock too: `roundtrips_per_task`) are shown next to it. "
+          "Each measured value is the worst configuration's median.", "")  # fmt: skip
+    r.add(*table(["target", "measured (median)", "met?"], target_rows(r)))
+
+
+# -- sections -----------------------------------------------------------------------------
+def roundtrips(r: Report) -> None:
+    r.add("", "## Round trips per task", "",
+          "In-process workers on the embedded server, 300 no-op tasks published in one write; "
+          "commands counted by a PyMongo listener on each worker's client.")  # fmt: skip
+    gs = r.groups("roundtrips", key=lambda g: (bool(g.get("batching")), numeric(g.get("workers"))))
+    baseline = r.groups("throughput", key=lambda g: numeric(g.get("workers")))
+    baseline = [g for g in baseline if g.get("system") == "baseline"]
+    if not gs and not baseline:
+        r.not_run("roundtrips")
+        return
+    rows = [[fmt(g.get("workers"), 0), fmt(g.get("concurrency"), 0), "on" if g.get("batching") else "off",
+             fmt(g.median("worker_writes_per_task"), 3), fmt(g.median("roundtrips_per_task"), 3),
+             ", ".join(f"{k} {fmt(v, 3)}" for k, v in g.median_dict("per_task_by_job").items()), str(g.n)]
+            for g in gs]  # fmt: skip
+    r.add("", *table(["workers", "concurrency", "batching", "worker writes/task (claim+ping+finish)",
+                      "all commands/task", "by job", "n"], rows))  # fmt: skip
+
+    def draw(ax: Any) -> None:
+        for (batching, conc), lines in split(gs, lambda g: (bool(g.get("batching")), g.get("concurrency"))):
+            label = f"batching {'on' if batching else 'off'}, c={conc}"
+            line(ax, lines, "workers", "worker_writes_per_task", f"{label}: claim+ping+finish", "-o")
+            line(ax, lines, "workers", "roundtrips_per_task", f"{label}: all commands", "--o")
+        for (conc,), lines in split(baseline, lambda g: (g.get("concurrency"),)):
+            line(ax, lines, "workers", "roundtrips_per_task", f"baseline c={conc}: all commands", ":s")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("round trips per task")
+        ax.set_ylim(bottom=0)
+
+    r.plot("roundtrips", "Round trips per task vs workers", draw)
+    r.command("uv run python bench/roundtrips.py --workers 1,2,4,8",
+              "uv run python bench/roundtrips.py --workers 1,2,4,8 --no-batching")  # fmt: skip
+
+
+Lines = list[tuple[tuple[Any, ...], list[Group]]]
+
+
+def split(groups: list[Group], key: Callable[[Group], tuple[Any, ...]]) -> Lines:
+    """Groups split into plot lines, in a stable order."""
+    lines: dict[tuple[Any, ...], list[Group]] = {}
+    for g in groups:
+        lines.setdefault(key(g), []).append(g)
+    return sorted(lines.items(), key=lambda kv: [str(k) for k in kv[0]])
+
+
+def line(ax: Any, groups: list[Group], x: str, y: str, label: str, style: str) -> None:
+    points = sorted((numeric(g.get(x)), v) for g in groups if (v := g.median(y)) is not None)
+    if points:
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+
+
+def claim_storm(r: Report) -> None:
+    r.add("", "## Claim attempts per claim", "",
+          "N idle in-process workers on the embedded server; tasks published one at a time, "
+          "so every worker sees each insert event while idle (the stampede case).")  # fmt: skip
+    if r.not_run("claim_storm"):
+        return
+    gs = r.groups("claim_storm", key=lambda g: numeric(g.get("workers")))
+    rows = [[fmt(g.get("workers"), 0), fmt(g.median("attempts_per_claim"), 3), fmt(g.median("claims"), 0),
+             fmt(g.median("pickup_p50_ms"), 1), fmt(g.median("pickup_max_ms"), 1), str(g.n)] for g in gs]  # fmt: skip
+    header = ["workers", "attempts per claim", "claims", "pickup p50 ms", "pickup max ms", "n"]
+    r.add("", *table(header, rows))
+
+    def draw(ax: Any) -> None:
+        line(ax, gs, "workers", "attempts_per_claim", "attempts per claim", "-o")
+        ax.axhline(1.3, color="grey", linestyle=":", label="target 1.3 (16 workers)")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("claim attempts per claim")
+        ax.set_ylim(bottom=0)
+
+    r.plot("claim_storm", "Claim attempts per claim vs workers", draw)
+    r.command("uv run python bench/claim_storm.py --workers 2,4,8,16")
+
+
+def label(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(config.items()))
+
+
+def pickup(r: Report) -> None:
+    r.add("", "## Pickup latency", "",
+          "Publish to handler start with one idle `taskrunner worker` process; the CDF pools the "
+          "latest runs' latencies, the table shows medians of their percentiles.")  # fmt: skip
+    if r.not_run("pickup"):
+        return
+    gs = r.groups("pickup", key=lambda g: label(g.config))
+    rows = [[label(g.config), fmt(g.median("p50_ms"), 1), fmt(g.median("p90_ms"), 1), fmt(g.median("p99_ms"), 1),
+             fmt(g.median("max_ms"), 1), str(len(g.pooled("latencies_ms"))), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["config", "p50 ms", "p90 ms", "p99 ms", "max ms", "tasks", "n"], rows))
+
+    def draw(ax: Any) -> None:
+        for g in gs:
+            values = sorted(g.pooled("latencies_ms"))
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+                        label=label(g.config))  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("pickup latency (ms, log scale)")
+        ax.set_ylabel("fraction of tasks")
+
+    r.plot("pickup", "Pickup latency CDF", draw)
+    r.command("uv run python bench/pickup.py --mode stream", "uv run python bench/pickup.py --mode polling",
+              "uv run python bench/baseline.py")  # fmt: skip
+
+
+def throughput(r: Report) -> None:
+    r.add("", "## Throughput", "",
+          "No-op tasks per second through N `taskrunner worker` processes with C slots each "
+          "(and the naive baseline worker), embedded server.")  # fmt: skip
+    if r.not_run("throughput"):
+        return
+    gs = r.groups("throughput", key=lambda g: (str(g.get("system")), numeric(g.get("concurrency")),
+                                                numeric(g.get("workers"))))  # fmt: skip
+    rows = [[str(g.get("system")), fmt(g.get("workers"), 0), fmt(g.get("concurrency"), 0),
+             fmt(g.median("tasks_per_s"), 1), fmt(g.median("roundtrips_per_task"), 3), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["system", "workers", "concurrency", "tasks/s", "round trips/task", "n"], rows))
+
+    def draw(ax: Any) -> None:
+        for (system, conc), lines in split(gs, lambda g: (g.get("system"), g.get("concurrency"))):
+            style = "-o" if system == "taskrunner" else "--s"
+            line(ax, lines, "workers", "tasks_per_s", f"{system} c={conc}", style)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("tasks per second")
+        ax.set_ylim(bottom=0)
+
+    r.plot("throughput", "Throughput vs workers and concurrency", draw)
+    r.command("uv run python bench/throughput.py --workers 1,2,4 --concurrency 1,4,16",
+              "uv run python bench/baseline.py")  # fmt: skip
+
+
+def takeover(r: Report) -> None:
+    r.add("", "## Takeover time", "",
+          "Seconds from signalling the worker that runs a task until another worker has claimed it.")  # fmt: skip
+    if r.not_run("takeover"):
+        return
+    gs = r.groups("takeover", key=lambda g: label(g.config))
+    rows = [[label(g.config), fmt(g.median("median_s")), fmt(g.median("max_s")),
+             str(len(g.pooled("samples"))), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["config", "median s", "max s", "samples", "n"], rows))
+
+    def draw(ax: Any) -> None:
+        data = [(label(g.config), g.pooled("samples")) for g in gs]
+        data = [d for d in data if d[1]]
+        if data:
+            ax.boxplot([d[1] for d in data], tick_labels=[d[0] for d in data])
+        ax.set_ylabel("seconds until taken over")
+        ax.set_ylim(bottom=0)
+
+    r.plot("takeover", "Takeover time after SIGKILL and SIGTERM", draw)
+    r.command("uv run python bench/takeover.py")
+
+
+def cpu(r: Report) -> None:
+    r.add("", "## Worker CPU per task", "",
+          "One in-process worker and the in-memory store, N no-op tasks published before the "
+          "timer starts; process CPU time per task. The store share stands in for the server "
+          "(the in-memory store scans every document per claim).")  # fmt: skip
+    if r.not_run("cpu"):
+        return
+    gs = r.groups("cpu", key=lambda g: numeric(g.get("concurrency")))
+    rows = [[fmt(g.get("concurrency"), 0), fmt(g.median("tasks"), 0), fmt(g.median("cpu_ms_per_task"), 3),
+             fmt(g.median("engine_ms_per_task"), 3), fmt(g.median("store_ms_per_task"), 3),
+             fmt(g.median("tasks_per_s"), 0), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["concurrency", "tasks", "CPU ms/task", "engine ms/task", "store ms/task", "tasks/s", "n"],
+                     rows))  # fmt: skip
+    r.command("uv run python bench/cpu.py --concurrency 10,50 --tasks 3000")
+
+
+def heartbeat(r: Report) -> None:
+    r.add("", "## Heartbeat writes", "",
+          "One in-process worker with K long tasks running (ping interval 0.5 s); writes on the "
+          "tasks collection (`update` + `findAndModify`) counted over 4 s, per ping interval.")  # fmt: skip
+    if r.not_run("heartbeat"):
+        return
+    gs = r.groups("heartbeat", key=lambda g: numeric(g.get("in_flight")))
+    rows = [[fmt(g.get("in_flight"), 0), fmt(g.median("writes_per_interval")),
+             fmt(g.median("statements_per_interval")), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["in flight", "writes per interval", "documents per interval", "n"], rows))
+
+    def draw(ax: Any) -> None:
+        line(ax, gs, "in_flight", "writes_per_interval", "write commands", "-o")
+        line(ax, gs, "in_flight", "statements_per_interval", "documents addressed", "--o")
+        ax.set_xlabel("runs in flight")
+        ax.set_ylabel("per ping interval")
+        ax.set_ylim(bottom=0)
+
+    r.plot("heartbeat", "Heartbeat writes per interval vs runs in flight", draw)
+    r.command("uv run python bench/heartbeat.py --in-flight 1,10,50")
+
+
+def machines(r: Report) -> None:
+    runs = [run for gs in r.benches.values() for g in gs for run in g.runs]
+    r.add("", "## Machine and dates", "")
+    if not runs:
+        r.add("No results yet.")
+        return
+    whens = sorted(str(run.get("when")) for run in runs)
+    r.add(f"Runs from {whens[0]} to {whens[-1]} (local time of the machine).", "")
+    seen = sorted({json.dumps(run.get("machine"), sort_keys=True) for run in runs})
+    for raw in seen:
+        m = json.loads(raw)
+        if isinstance(m, dict):
+            r.add(f"- {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, {m.get('os')}; "
+                  f"Python {m.get('python')}, pymongo {m.get('pymongo')}, mongoeco {m.get('mongoeco')}, "
+                  f"taskrunner {m.get('taskrunner')}")  # fmt: skip
+        else:
+            r.add(f"- {m}")
+
+
+def render(results: Path, out: Path, *, smoke: bool = False) -> Report:
+    r = Report(out, group(load(results, smoke=smoke)))
+    r.add("# Benchmarks", "",
+          f"Generated by `uv run python bench/report.py` from `{results.name}`: per benchmark and "
+          f"configuration, the median of the latest {LATEST} runs (n = runs used). Run every benchmark "
+          "with `uv run python bench/suite.py` (3 runs each, then this report).", "")  # fmt: skip
+    targets(r)
+    for section in (roundtrips, claim_storm, pickup, throughput, takeover, cpu, heartbeat, machines):
+        section(r)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(r.lines) + "\n")
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=HERE / "results.jsonl")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    parser.add_argument("--include-smoke", action="store_true",
+                        help="use smoke lines too (bench/suite.py --smoke checks the rendering with them)")  # fmt: skip
+    args = parser.parse_args()
+    render(args.results, args.out, smoke=args.include_smoke)
+    print(f"wrote {args.out} and its plots in {args.out.parent / 'benchmarks'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
