@@ -25,6 +25,20 @@ JOBS = ("claim", "run_writes", "discovery", "registry", "clock", "other")
 (beats and the peer list), ``clock`` (server time)."""
 
 
+_BULK = {"insert": "documents", "update": "updates", "delete": "deletes"}
+
+
+def _opcounter(name: str) -> str:
+    if name in _BULK:
+        return name
+    return {"find": "query", "getMore": "getmore"}.get(name, "command")
+
+
+def _statements(name: str, command: Mapping[str, Any]) -> int:
+    field = _BULK.get(name)
+    return len(command.get(field) or []) if field else 1
+
+
 def job_of(name: str, command: Mapping[str, Any]) -> str:
     """The worker job a command belongs to, from its name and body (see ``JOBS``)."""
     target = command.get("collection" if name == "getMore" else name)
@@ -60,6 +74,7 @@ class RoundTripCounter(monitoring.CommandListener):
         self._counts: Counter[str] = Counter()
         self._targets: Counter[tuple[str, str]] = Counter()
         self._jobs: Counter[str] = Counter()
+        self._statements: Counter[str] = Counter()
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         name = event.command_name
@@ -69,6 +84,7 @@ class RoundTripCounter(monitoring.CommandListener):
             self._counts[name] += 1
             self._targets[name, target if isinstance(target, str) else ""] += 1
             self._jobs[job] += 1
+            self._statements[_opcounter(name)] += _statements(name, event.command)
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         return None
@@ -91,6 +107,13 @@ class RoundTripCounter(monitoring.CommandListener):
         with self._lock:
             return dict(sorted(self._jobs.items()))
 
+    def statements(self) -> dict[str, int]:
+        """Operations as the server's ``serverStatus.opcounters`` count them: one per
+        statement of a bulk write (insert/update/delete), ``query`` per find, ``getmore``,
+        ``command`` for the rest (findAndModify, aggregate, hello, ...)."""
+        with self._lock:
+            return dict(sorted(self._statements.items()))
+
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
@@ -102,4 +125,5 @@ class RoundTripCounter(monitoring.CommandListener):
             self._counts.clear()
             self._targets.clear()
             self._jobs.clear()
+            self._statements.clear()
             return counts
