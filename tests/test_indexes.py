@@ -74,7 +74,15 @@ LIVE = {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": 
 HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "claim": (TASK_INDEXES, claim_query(), CLAIM_SORT),
     "claim by key": (TASK_INDEXES, claim_query("k"), CLAIM_SORT),
+    "batched claim": (TASK_INDEXES, claim_query() | {f.KEY: {"$in": ["a", "b"]}}, []),
+    "batched claim read-back": (
+        TASK_INDEXES,
+        {f.KEY: {"$in": ["a"]}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": ["r"]}},
+        [],
+    ),
     "ping/finish fence": (TASK_INDEXES, x.entry_filter("k", "run"), []),
+    "shared renewal": (TASK_INDEXES, x.renewal_filter("k", "run", "w1"), []),
+    "renewal read-back": (TASK_INDEXES, {f.KEY: {"$in": ["a", "b"]}}, []),
     "get": (TASK_INDEXES, {f.KEY: "k"}, []),
     "candidates, first page": (TASK_INDEXES, ACTIVE, [(f.KEY, 1)]),
     "candidates, next page": (TASK_INDEXES, ACTIVE | {f.KEY: {"$gt": "k"}}, [(f.KEY, 1)]),
