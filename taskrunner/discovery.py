@@ -38,8 +38,12 @@ class Discovery:
         *,
         poll_interval: float = 5.0,
         page_size: int = 500,
+        sweep: Callable[[], None] = lambda: None,
     ) -> None:
+        """``sweep`` is called when unreadable documents may be claimable: after an event
+        showing one, and after each scan (which skips them)."""
         self.store, self.queue, self.claim_time = store, queue, claim_time
+        self.sweep = sweep
         self.poll_interval, self.page_size = poll_interval, page_size
         self.polling = False
         self._token: Mapping[str, Any] | None = None
@@ -57,10 +61,12 @@ class Discovery:
     def on_event(self, event: ChangeEvent) -> None:
         if event.task is not None:
             self.apply(event.task)
-        elif event.key is not None:
+            return
+        if event.key is not None:
             self.queue.discard(event.key)
-            if event.problem:
-                log.warning("skipping unreadable task document", key=event.key, problem=event.problem)
+        if event.problem:
+            log.warning("skipping unreadable task document", key=event.key, problem=event.problem)
+            self.sweep()
 
     async def scan(self) -> int:
         """Page through every unfinished task; returns how many were read."""
@@ -71,6 +77,7 @@ class Discovery:
                 self.apply(task)
             seen += len(page)
             if len(page) < self.page_size:
+                self.sweep()
                 return seen
             after = page[-1].key
 

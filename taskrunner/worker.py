@@ -46,6 +46,7 @@ MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before i
 # that finds nothing (another worker won) widens it, a won claim narrows it again.
 MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.05, 0.25
 MAX_RANKS = 8
+SWEEP = "\0sweep"  # claim-queue entry for one claim without a key (see Worker.sweep)
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
 
 
@@ -95,7 +96,9 @@ class Worker:
         self.concurrency, self.shutdown_timeout = concurrency, shutdown_timeout
         self.names = frozenset(runner.registry.names())
         self.queue = ClaimQueue(queue_capacity)
-        self.discovery = Discovery(self.store, self.queue, self.claim_time, poll_interval=poll_interval)
+        self.discovery = Discovery(
+            self.store, self.queue, self.claim_time, poll_interval=poll_interval, sweep=self.sweep
+        )
         self.discovery.polling = discovery == "poll"
         self.clock = ServerClock()
         self.observer: WorkerObserver = observer or NullObserver()
@@ -122,6 +125,11 @@ class Worker:
         """Stop claiming and shut down gracefully (safe to call from a signal handler)."""
         self._stop.set()
         self.queue.changed.set()
+
+    def sweep(self) -> None:
+        """Queue one claim without a key: the server picks the best claimable task, which
+        reaches documents no model reads (they are recorded as failed runs, never run)."""
+        self.queue.put(SWEEP, self.clock.now(), (1, 0, 0.0))
 
     def claim_time(self, task: Task) -> tuple[float, Rank] | None:
         """When this worker may next claim ``task``, with its preference rank."""
@@ -189,11 +197,13 @@ class Worker:
             held, claims = 1, []
             try:
                 due = await self._wait_due()
-                if len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
+                if due and due[0].key == SWEEP:
+                    self.queue.discard(SWEEP)  # one claim per sweep, whatever it finds
+                elif len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
                     await asyncio.sleep(0)  # runs that ended together free their slots first
                     held += self._take_free_slots(min(len(due), self.batch) - 1)
                 if held >= MIN_BATCH:
-                    claims = await self._claim_batch(due[:held])
+                    claims = await self._claim_batch([d for d in due if d.key != SWEEP][:held])
                 elif due:
                     claims = await self._claim(due)
             finally:
@@ -224,10 +234,10 @@ class Worker:
         return []
 
     async def _claim(self, due: list[Due]) -> list[Claim]:
-        # The server picks the best eligible task, so a burst of events does not make
-        # every worker race for the one that was announced; a task naming this worker
-        # (worker_ids) is claimed by key first (seed order).
-        key = due[0].key if due[0].rank[0] == 0 else None
+        # By key, the best due entry: the server then touches one document through the
+        # unique key index instead of sorting every claimable task on each claim, and
+        # rendezvous ranks already spread a burst of events over the workers.
+        key = None if due[0].key == SWEEP else due[0].key
         try:
             claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
         except MalformedTask as exc:
@@ -238,7 +248,8 @@ class Worker:
             return []
         self._claims.ok()
         if claim is None:
-            self._claimed_none(due if due[0].rank[0] == 1 else due[:1])
+            if key is not None:
+                self._claimed_none(due[:1])
             return []
         self._claimed([claim])
         return [claim]

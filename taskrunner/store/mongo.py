@@ -297,8 +297,11 @@ class MongoStore:
             try:
                 claimed.claims.append(Claim(self._task(doc), token[doc[f.KEY]]))
             except MalformedTask as exc:
-                await self._reject(doc[f.ID], token[doc[f.KEY]], exc)
                 claimed.rejected.append(exc)
+                # Not recorded now? Its lease expires and a later claim counts the failure;
+                # the other claims of this batch must not be lost over it.
+                with suppress(StoreError):
+                    await self._reject(doc[f.ID], token[doc[f.KEY]], exc)
         return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
