@@ -54,7 +54,13 @@ IS_LIVE: Expr = {
         {"$gt": [_w(f.EXPIRES_AT), NOW]},
     ]
 }
-IS_EXPIRED: Expr = {"$and": [IS_RUNNING, _not(IS_LIVE)]}
+# RUNNING and not IS_LIVE, spelled out so the running check is not evaluated twice.
+IS_EXPIRED: Expr = {
+    "$and": [
+        IS_RUNNING,
+        {"$or": [{"$ne": [{"$type": _w(f.EXPIRES_AT)}, "date"]}, {"$lte": [_w(f.EXPIRES_AT), NOW]}]},
+    ]
+}
 CONCURRENCY = f.ref(f.opt(f.CONCURRENCY))
 MAX_FAILURES = f.ref(f.opt(f.MAX_FAILURES))
 
@@ -113,16 +119,22 @@ def summary_stages() -> list[Expr]:
 
 
 def claim_filter(worker_id: str) -> dict[str, Any]:
-    """Everything ``rules.claimable_by`` checks, evaluated by the server at ``$$NOW``."""
+    """Everything ``rules.claimable_by`` checks, evaluated by the server at ``$$NOW``.
+
+    Each count over the entries is computed once (``$let``): a look-alike server that
+    interprets expressions pays per node, and MongoDB does less work too."""
     me = {"$literal": worker_id}
     mine_active = {"$and": [{"$eq": [_w(f.WORKER_ID), me]}, {"$or": [IS_SUCCESS, IS_LIVE]}]}
+    live, expired, succ = "$$live", "$$expired", "$$succ"
     claimable = {
         "$and": [
-            {"$eq": [count(mine_active), 0]},
-            {"$lt": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
-            {"$lt": [{"$add": [count(IS_SUCCESS), count(IS_LIVE)]}, CONCURRENCY]},
+            {"$eq": ["$$mine", 0]},
+            {"$lt": [{"$add": [f.ref(f.FAILURES), expired]}, MAX_FAILURES]},
+            {"$lt": [{"$add": [succ, live]}, CONCURRENCY]},
         ]
     }
+    counts = {"live": count(IS_LIVE), "expired": count(IS_EXPIRED), "succ": count(IS_SUCCESS),
+              "mine": count(mine_active)}  # fmt: skip
     return {
         f.STATE: {"$in": list(ACTIVE)},
         f.CLAIMABLE_AT: {"$type": "date"},
@@ -134,26 +146,29 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
                 _is_number(f.FAILURES),
                 _is_number(f.opt(f.CONCURRENCY)),
                 _is_number(f.opt(f.MAX_FAILURES)),
-                {"$or": [claimable, REAPABLE]},
+                {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}},
             ]
         },
     }
 
 
-# ``rules.reapable``: only dead leases remain and counting them spends the budget.
-REAPABLE: Expr = {
-    "$and": [
-        {"$eq": [count(IS_LIVE), 0]},
-        {"$gt": [count(IS_EXPIRED), 0]},
-        {"$gte": [{"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]}, MAX_FAILURES]},
-    ]
-}
+def reapable(live: Expr, expired: Expr) -> Expr:
+    """``rules.reapable`` from the numbers of live and expired leases: only dead leases
+    remain and counting them spends the budget."""
+    return {
+        "$and": [
+            {"$eq": [live, 0]},
+            {"$gt": [expired, 0]},
+            {"$gte": [{"$add": [f.ref(f.FAILURES), expired]}, MAX_FAILURES]},
+        ]
+    }
 
 
 def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     """Drop expired leases (each spends a failure) and append this worker's entry, or
-    none when the task is ``REAPABLE`` (it then ends FAIL). ``run_id`` is a token or
+    none when the task is ``reapable`` (it then ends FAIL). ``run_id`` is a token or
     an expression choosing one per document (``run_id_by_key``)."""
+    expired = "$_tr_exp"
     entry = {
         f.WORKER_ID: {"$literal": worker_id},
         f.RUN_ID: {"$literal": run_id} if isinstance(run_id, str) else run_id,
@@ -166,16 +181,17 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
         f.RESULT: None,
         f.ERROR: None,
         f.FINISHED_AT: None,
-        f.TOOK_OVER: {"$map": {"input": entries(IS_EXPIRED), "as": "w", "in": _w(f.WORKER_ID)}},
+        f.TOOK_OVER: {"$map": {"input": expired, "as": "w", "in": _w(f.WORKER_ID)}},
     }
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
     reap = "$_tr_reap"
     return [
-        {"$set": {"_tr_reap": REAPABLE}},
-        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), count(IS_EXPIRED)]},
+        {"$set": {"_tr_exp": entries(IS_EXPIRED), "_tr_nlive": count(IS_LIVE)}},
+        {"$set": {"_tr_reap": reapable("$_tr_nlive", {"$size": expired})}},
+        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
                   f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]}}},
         {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, [], [entry]]}]}}},
-        {"$unset": ["_tr_reap"]},
+        {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
         *summary_stages(),
     ]  # fmt: skip
 
