@@ -3,8 +3,9 @@
 Needs ``TASKRUNNER_BENCH_MONGO_URI`` (a real MongoDB; the embedded server cannot
 show plans). Creates a scratch collection with taskrunner's indexes, inserts
 100k finished tasks plus a few pending ones, runs ``explain`` at
-``executionStats`` verbosity for the claim (``find_one_and_update``'s filter and
-sort, as a find), the ping/finish fence, the candidate scan, the listing queries,
+``executionStats`` verbosity for the claims (by key, batched by keys, and the keyless
+sweep: ``find_one_and_update``'s filter and sort, as a find), the ping/finish fence,
+the shared renewal, the candidate scan, the listing queries,
 the purge filter and the registry's liveness query, then drops the collection.
 Prints one JSON line and appends it to bench/results.jsonl. Without the variable
 it says so and exits 0.
@@ -98,9 +99,11 @@ def queries(pending_key: str) -> dict[str, tuple[str, dict[str, Any]]]:
     claim = x.claim_filter(WORKER) | {f.NAME: {"$in": ["noop"]}}
     sort = {field: direction for field, direction in CLAIM_SORT}
     return {
-        "claim": ("", {"filter": claim, "sort": sort, "limit": 1}),
+        "claim_sweep": ("", {"filter": claim, "sort": sort, "limit": 1}),
         "claim_by_key": ("", {"filter": claim | {f.KEY: pending_key}, "sort": sort, "limit": 1}),
+        "claim_batch": ("", {"filter": claim | {f.KEY: {"$in": [pending_key, "todo:1", "todo:2"]}}}),
         "ping_finish": ("", {"filter": x.entry_filter(pending_key, "no-such-run")}),
+        "renewal": ("", {"filter": x.renewal_filter(pending_key, "no-such-run", WORKER)}),
         "get": ("", {"filter": {f.KEY: pending_key}, "limit": 1}),
         "candidates": ("", {"filter": {f.STATE: {"$in": list(rules.ACTIVE)}}, "sort": {f.KEY: 1}, "limit": 500}),
         "candidates_after": ("", {"filter": {f.STATE: {"$in": list(rules.ACTIVE)}, f.KEY: {"$gt": "todo:"}},
