@@ -292,8 +292,10 @@ def pickup(r: Report) -> None:
         return
     gs = r.groups("pickup", key=lambda g: label(g.config))
     rows = [[label(g.config), fmt(g.median("p50_ms"), 1), fmt(g.median("p90_ms"), 1), fmt(g.median("p99_ms"), 1),
-             fmt(g.median("max_ms"), 1), str(len(g.pooled("latencies_ms"))), str(g.n)] for g in gs]  # fmt: skip
-    r.add("", *table(["config", "p50 ms", "p90 ms", "p99 ms", "max ms", "tasks", "n"], rows))
+             fmt(g.median("max_ms"), 1), fmt(g.median("to_claim_p50_ms"), 1), str(len(g.pooled("latencies_ms"))),
+             str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["config", "p50 ms", "p90 ms", "p99 ms", "max ms", "created→claimed p50 ms", "tasks", "n"],
+                     rows))  # fmt: skip
 
     def draw(ax: Any) -> None:
         for g in gs:
@@ -421,6 +423,9 @@ def render(results: Path, out: Path, *, smoke: bool = False) -> Report:
           f"configuration, the median of the latest {LATEST} runs (n = runs used). Run every benchmark "
           "with `uv run python bench/suite.py` (3 runs each, then this report).", "")  # fmt: skip
     targets(r)
+    notes = HERE / "notes.md"  # hand-written reading of the numbers, kept next to the scripts
+    if notes.exists():
+        r.add("", notes.read_text().strip())
     for section in (roundtrips, claim_storm, pickup, throughput, takeover, cpu, heartbeat, machines):
         section(r)
     out.parent.mkdir(parents=True, exist_ok=True)

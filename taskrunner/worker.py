@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before it is dropped
 # Seconds each rendezvous rank waits before claiming a newly due task. It adapts: a claim
 # that finds nothing (another worker won) widens it, a won claim narrows it again.
-MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.05, 0.25
+MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.1, 0.25
 MAX_RANKS = 8
 SWEEP = "\0sweep"  # claim-queue entry for one claim without a key (see Worker.sweep)
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
