@@ -173,13 +173,21 @@ def target_rows(r: Report) -> list[list[str]]:
         met = "not run yet" if measured is None else ("yes" if measured <= limit else "**no**")
         rows.append([target, NONE if measured is None else f"{fmt(measured, digits)} {note}".strip(), met])
 
-    for batching, limit in ((False, 2.0), (True, 1.2)):
-        gs = [g for g in r.groups("roundtrips") if bool(g.get("batching")) is batching]
-        label = "default (claim batching on)" if batching else "claim batching off (`--batch 1`)"
-        total = worst(gs, "roundtrips_per_task")
-        note = f"(worst over workers; all commands: {fmt(total)})" if total is not None else ""
-        measured = worst(gs, "worker_writes_per_task")
-        row(f"worker round trips per task ≤ {limit}, {label}", measured, limit, note)
+    default = [g for g in r.groups("roundtrips") if g.get("batching")]
+    total = worst(default, "roundtrips_per_task")
+    note = f"(worst over workers; all commands: {fmt(total)})" if total is not None else ""
+    for target, limit in (("by default", 2.0), ("under load with batching", 1.2)):
+        row(
+            f"worker round trips per task ≤ {limit} {target}",
+            worst(default, "worker_writes_per_task"),
+            limit,
+            note,
+        )
+    unbatched = [g for g in r.groups("roundtrips") if not g.get("batching")]
+    if unbatched:
+        measured = worst(unbatched, "worker_writes_per_task")
+        rows.append(["(for comparison, no target) claim batching off, `--batch 1`",
+                     f"{fmt(measured)} (all commands: {fmt(worst(unbatched, 'roundtrips_per_task'))})", "-"])  # fmt: skip
     storm = [g for g in r.groups("claim_storm") if g.get("workers") == 16]
     row("claim attempts per claim ≤ 1.3 with 16 workers", worst(storm, "attempts_per_claim"), 1.3, "")
     stream = [g for g in r.groups("pickup") if g.get("mode") == "stream"]
@@ -201,8 +209,9 @@ def targets(r: Report) -> None:
           "(`worker_writes_per_task`), as the issue does; all worker commands (discovery, "
           "registry, clock too: `roundtrips_per_task`) are shown next to it. "
           "Each measured value is the worst configuration's median. Claim batching is on by "
-          "default (`taskrunner worker --batch 32`); with `--batch 1` every claim takes one task, "
-          "while outcomes and lease renewals are still group-committed.", "")  # fmt: skip
+          "default (`taskrunner worker --batch 32`), so both round-trip targets are judged on the "
+          "default settings, with 300 tasks published at once (the load); with `--batch 1` every "
+          "claim takes one task, while outcomes and lease renewals are still group-committed.", "")  # fmt: skip
     r.add(*table(["target", "measured (median)", "met?"], target_rows(r)))
 
 
@@ -363,7 +372,7 @@ def cpu(r: Report) -> None:
     r.add("", "## Worker CPU per task", "",
           "One in-process worker and the in-memory store, N no-op tasks published before the "
           "timer starts; process CPU time per task. The store share stands in for the server "
-          "(the in-memory store scans every document per claim).")  # fmt: skip
+          "(the in-memory store copies every document it hands out).")  # fmt: skip
     if r.not_run("cpu"):
         return
     gs = r.groups("cpu", key=lambda g: numeric(g.get("concurrency")))
