@@ -164,13 +164,15 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     for name in ("roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
         assert f"](benchmarks/{name}.png)" in text
+    used = [json.loads(line) for line in (plots / "results.jsonl").read_text().splitlines()]
+    assert used and all(not line.get("smoke") and "config" in line for line in used)  # the lines reported
 
 
 def test_report_without_results_says_not_run_yet(tmp_path: Path) -> None:
     """Missing benches render as "not run yet" instead of failing."""
     text = render_report(tmp_path / "missing.jsonl", tmp_path / "benchmarks.md")
     assert text.count("Not run yet") == 7
-    assert "](benchmarks/" not in text
+    assert ".png)" not in text
 
 
 def test_explain_without_a_real_mongodb_says_so(tmp_path: Path) -> None:
