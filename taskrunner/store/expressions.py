@@ -164,25 +164,68 @@ def reapable(live: Expr, expired: Expr) -> Expr:
     }
 
 
-def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
-    """Drop expired leases (each spends a failure) and append this worker's entry, or
-    none when the task is ``reapable`` (it then ends FAIL). ``run_id`` is a token or
-    an expression choosing one per document (``run_id_by_key``)."""
-    expired = "$_tr_exp"
-    entry = {
+def new_entry(worker_id: str, run_id: str | Expr, attempt: Expr, took_over: Expr) -> dict[str, Expr]:
+    """The RUNNING entry a claim appends."""
+    return {
         f.WORKER_ID: {"$literal": worker_id},
         f.RUN_ID: {"$literal": run_id} if isinstance(run_id, str) else run_id,
         f.STATE: EntryState.RUNNING.value,
         f.CLAIMED_AT: NOW,
         f.PING_AT: NOW,
         f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT)),
-        f.ATTEMPT: f.ref(f.ATTEMPTS),
+        f.ATTEMPT: attempt,
         f.PROGRESS: None,
         f.RESULT: None,
         f.ERROR: None,
         f.FINISHED_AT: None,
-        f.TOOK_OVER: {"$map": {"input": expired, "as": "w", "in": _w(f.WORKER_ID)}},
+        f.TOOK_OVER: took_over,
     }
+
+
+def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
+    """``claim_filter`` for the common case, a PENDING task with no entries yet: every
+    count is zero, so what is left is small (a look-alike server that interprets
+    expressions claims such a task in a third of the time). Whatever it matches,
+    ``claim_filter`` matches too, and ``fresh_claim_update`` writes what ``claim_update`` would."""
+    return {
+        f.STATE: TaskState.PENDING.value,
+        f.WORKERS: {"$size": 0},
+        f.CLAIMABLE_AT: {"$type": "date"},
+        "$or": [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}],
+        "$expr": {
+            "$and": [
+                {"$lte": [f.ref(f.CLAIMABLE_AT), NOW]},
+                _is_number(f.FAILURES),
+                _is_number(f.opt(f.CONCURRENCY)),
+                _is_number(f.opt(f.MAX_FAILURES)),
+                {"$lt": [f.ref(f.FAILURES), MAX_FAILURES]},
+                {"$lt": [0, CONCURRENCY]},
+            ]
+        },
+    }
+
+
+def fresh_claim_update(worker_id: str, run_id: str) -> list[Expr]:
+    """``claim_update`` plus ``summary_stages`` worked out for a task with no entries."""
+    attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
+    entry = new_entry(worker_id, run_id, attempts, [])
+    one_slot_left = {"$lt": [1, CONCURRENCY]}
+    claimable_at = {
+        "$cond": [one_slot_left, f.ref(f.RUN_AT), {"$max": [f.ref(f.RUN_AT), entry[f.EXPIRES_AT]]}]
+    }
+    changes = {f.ATTEMPTS: attempts, f.WORKERS: [entry], f.STATE: TaskState.RUNNING.value, f.UPDATED_AT: NOW,
+               f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: "$$REMOVE"}  # fmt: skip
+    return [{"$set": changes}]
+
+
+def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
+    """Drop expired leases (each spends a failure) and append this worker's entry, or
+    none when the task is ``reapable`` (it then ends FAIL). ``run_id`` is a token or
+    an expression choosing one per document (``run_id_by_key``)."""
+    expired = "$_tr_exp"
+    entry = new_entry(
+        worker_id, run_id, f.ref(f.ATTEMPTS), {"$map": {"input": expired, "as": "w", "in": _w(f.WORKER_ID)}}
+    )
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
     reap = "$_tr_reap"
     return [

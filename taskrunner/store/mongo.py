@@ -263,12 +263,22 @@ class MongoStore:
             query[f.NAME] = {"$in": list(names)}
         run_id = uuid.uuid4().hex
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                query,
-                x.claim_update(worker_id, run_id),
-                sort=CLAIM_SORT,
-                return_document=ReturnDocument.AFTER,
-            )
+            doc = None
+            if key is not None:  # most claims take a task nobody ran yet: the small update first
+                fresh = {
+                    **x.fresh_claim_filter(worker_id),
+                    **{k: v for k, v in query.items() if k in (f.KEY, f.NAME)},
+                }
+                doc = await self.collection.find_one_and_update(
+                    fresh, x.fresh_claim_update(worker_id, run_id), return_document=ReturnDocument.AFTER
+                )
+            if doc is None:
+                doc = await self.collection.find_one_and_update(
+                    query,
+                    x.claim_update(worker_id, run_id),
+                    sort=CLAIM_SORT,
+                    return_document=ReturnDocument.AFTER,
+                )
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
