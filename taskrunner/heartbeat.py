@@ -57,7 +57,6 @@ class Heartbeat:
     def __init__(self, writes: RunWrites, worker_id: str) -> None:
         self.writes, self.worker_id = writes, worker_id
         self.log = structlog.get_logger("taskrunner.heartbeat").bind(worker_id=worker_id)
-        self.ticks = 0  # renewal writes sent, for tests and benchmarks
         self._leases: dict[str, Lease] = {}
         self._next = 0.0
         self._changed = asyncio.Event()
@@ -114,7 +113,6 @@ class Heartbeat:
         ]
         interval = min(lease.ping_interval for lease in leases)
         sent = time.monotonic()
-        self.ticks += 1
         try:
             # A renewal never outlives the earliest lease: over a stalled connection the
             # wait must end so that lease's run can fence itself.

@@ -201,7 +201,7 @@ class Worker:
                     self.queue.discard(SWEEP)  # one claim per sweep, whatever it finds
                 elif len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
                     await asyncio.sleep(0)  # runs that ended together free their slots first
-                    held += self._take_free_slots(min(len(due), self.batch) - 1)
+                    held += await self._take_free_slots(min(len(due), self.batch) - 1)
                 if held >= MIN_BATCH:
                     claims = await self._claim_batch([d for d in due if d.key != SWEEP][:held])
                 elif due:
@@ -212,11 +212,11 @@ class Worker:
             for claim in claims:
                 self._start(claim)
 
-    def _take_free_slots(self, wanted: int) -> int:
+    async def _take_free_slots(self, wanted: int) -> int:
         """Take up to ``wanted`` more slots that are free right now (never waits)."""
         taken = 0
         while taken < wanted and not self._slots.locked():
-            self._slots._value -= 1  # what acquire() does when not locked, without a suspension point
+            await self._slots.acquire()  # returns at once: a slot is free
             taken += 1
         return taken
 

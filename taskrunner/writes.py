@@ -21,7 +21,6 @@ MAX_BATCH = 500
 class RunWrites:
     def __init__(self, store: Store, *, max_batch: int = MAX_BATCH) -> None:
         self.store, self.max_batch = store, max_batch
-        self.batches = 0  # round trips made, for tests and benchmarks
         self._pending: list[tuple[RunWrite, asyncio.Future[RunResult]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -47,7 +46,6 @@ class RunWrites:
         # a batch other runs are waiting on.
         while self._pending:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-            self.batches += 1
             try:
                 results = await self.store.write_runs([write for write, _ in batch])
             except Exception as exc:

@@ -135,20 +135,24 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
     }
     counts = {"live": count(IS_LIVE), "expired": count(IS_EXPIRED), "succ": count(IS_SUCCESS),
               "mine": count(mine_active)}  # fmt: skip
+    check = {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}}
+    return _due_for(worker_id, {f.STATE: {"$in": list(ACTIVE)}, f.WORKERS: {"$type": "array"}}, check)
+
+
+def _allowed(worker_id: str) -> list[dict[str, Any]]:
+    """``options.worker_ids`` is empty or names the worker (an ``$or``)."""
+    return [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}]
+
+
+def _due_for(worker_id: str, match: dict[str, Any], *checks: Expr) -> dict[str, Any]:
+    """What every claim filter shares: ``match``, claimable at ``$$NOW``, allowed for
+    the worker, numeric counters; then the filter's own ``checks``."""
+    guards = [_is_number(f.FAILURES), _is_number(f.opt(f.CONCURRENCY)), _is_number(f.opt(f.MAX_FAILURES))]
     return {
-        f.STATE: {"$in": list(ACTIVE)},
+        **match,
         f.CLAIMABLE_AT: {"$type": "date"},
-        f.WORKERS: {"$type": "array"},
-        "$or": [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}],
-        "$expr": {
-            "$and": [
-                {"$lte": [f.ref(f.CLAIMABLE_AT), NOW]},
-                _is_number(f.FAILURES),
-                _is_number(f.opt(f.CONCURRENCY)),
-                _is_number(f.opt(f.MAX_FAILURES)),
-                {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}},
-            ]
-        },
+        "$or": _allowed(worker_id),
+        "$expr": {"$and": [{"$lte": [f.ref(f.CLAIMABLE_AT), NOW]}, *guards, *checks]},
     }
 
 
@@ -187,22 +191,8 @@ def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
     count is zero, so what is left is small (a look-alike server that interprets
     expressions claims such a task in a third of the time). Whatever it matches,
     ``claim_filter`` matches too, and ``fresh_claim_update`` writes what ``claim_update`` would."""
-    return {
-        f.STATE: TaskState.PENDING.value,
-        f.WORKERS: {"$size": 0},
-        f.CLAIMABLE_AT: {"$type": "date"},
-        "$or": [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}],
-        "$expr": {
-            "$and": [
-                {"$lte": [f.ref(f.CLAIMABLE_AT), NOW]},
-                _is_number(f.FAILURES),
-                _is_number(f.opt(f.CONCURRENCY)),
-                _is_number(f.opt(f.MAX_FAILURES)),
-                {"$lt": [f.ref(f.FAILURES), MAX_FAILURES]},
-                {"$lt": [0, CONCURRENCY]},
-            ]
-        },
-    }
+    fresh = {f.STATE: TaskState.PENDING.value, f.WORKERS: {"$size": 0}}
+    return _due_for(worker_id, fresh, {"$lt": [f.ref(f.FAILURES), MAX_FAILURES]}, {"$lt": [0, CONCURRENCY]})
 
 
 def fresh_claim_update(worker_id: str, run_id: str) -> list[Expr]:
@@ -248,8 +238,11 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
 
 def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
     """``rules.renewal_status`` is DONE: owned, not CANCELED, still allowed."""
-    allowed = [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}]
-    return {**entry_filter(key, run_id), f.STATE: {"$ne": TaskState.CANCELED.value}, "$or": allowed}
+    return {
+        **entry_filter(key, run_id),
+        f.STATE: {"$ne": TaskState.CANCELED.value},
+        "$or": _allowed(worker_id),
+    }
 
 
 def entry_filter(key: str, run_id: str) -> dict[str, Any]:

@@ -256,25 +256,23 @@ class MongoStore:
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
     ) -> Claim | None:
-        query = x.claim_filter(worker_id)
+        scope: Doc = {}
         if key is not None:
-            query[f.KEY] = key
+            scope[f.KEY] = key
         if names is not None:
-            query[f.NAME] = {"$in": list(names)}
+            scope[f.NAME] = {"$in": list(names)}
         run_id = uuid.uuid4().hex
         with mapped_errors():
             doc = None
             if key is not None:  # most claims take a task nobody ran yet: the small update first
-                fresh = {
-                    **x.fresh_claim_filter(worker_id),
-                    **{k: v for k, v in query.items() if k in (f.KEY, f.NAME)},
-                }
                 doc = await self.collection.find_one_and_update(
-                    fresh, x.fresh_claim_update(worker_id, run_id), return_document=ReturnDocument.AFTER
+                    {**x.fresh_claim_filter(worker_id), **scope},
+                    x.fresh_claim_update(worker_id, run_id),
+                    return_document=ReturnDocument.AFTER,
                 )
             if doc is None:
                 doc = await self.collection.find_one_and_update(
-                    query,
+                    {**x.claim_filter(worker_id), **scope},
                     x.claim_update(worker_id, run_id),
                     sort=CLAIM_SORT,
                     return_document=ReturnDocument.AFTER,
