@@ -56,13 +56,15 @@ async def publish_pair(store: MongoStore, variant: dict[str, Any]) -> None:
 
 
 def comparable(doc: Doc | None) -> Any:
-    """The document without its identity, times rounded to 0.2 s (the two writes are ms apart)."""
+    """The document without its identity, each time as its offset from the document's
+    ``run_at`` in whole seconds (the two writes are milliseconds apart)."""
     if doc is None:
         return None
+    anchor = doc["run_at"]
 
     def norm(value: Any) -> Any:
         if isinstance(value, datetime):
-            return round(value.timestamp() / 0.2)
+            return round((value - anchor).total_seconds())
         if isinstance(value, dict):
             return {k: norm(v) for k, v in value.items() if k not in ("_id", "key", "publish_id")}
         if isinstance(value, list):

@@ -136,7 +136,7 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
     counts = {"live": count(IS_LIVE), "expired": count(IS_EXPIRED), "succ": count(IS_SUCCESS),
               "mine": count(mine_active)}  # fmt: skip
     check = {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}}
-    return _due_for(worker_id, {f.STATE: {"$in": list(ACTIVE)}, f.WORKERS: {"$type": "array"}}, check)
+    return _due_for(worker_id, {"$in": list(ACTIVE)}, {"$type": "array"}, check)
 
 
 def _allowed(worker_id: str) -> list[dict[str, Any]]:
@@ -144,13 +144,15 @@ def _allowed(worker_id: str) -> list[dict[str, Any]]:
     return [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}]
 
 
-def _due_for(worker_id: str, match: dict[str, Any], *checks: Expr) -> dict[str, Any]:
-    """What every claim filter shares: ``match``, claimable at ``$$NOW``, allowed for
-    the worker, numeric counters; then the filter's own ``checks``."""
+def _due_for(worker_id: str, state: Any, workers: Any, *checks: Expr) -> dict[str, Any]:
+    """What every claim filter shares: ``state`` and ``workers`` predicates, claimable at
+    ``$$NOW``, allowed for the worker, numeric counters; then the filter's own ``checks``.
+    State and claimable_at come first, as in the claim index."""
     guards = [_is_number(f.FAILURES), _is_number(f.opt(f.CONCURRENCY)), _is_number(f.opt(f.MAX_FAILURES))]
     return {
-        **match,
+        f.STATE: state,
         f.CLAIMABLE_AT: {"$type": "date"},
+        f.WORKERS: workers,
         "$or": _allowed(worker_id),
         "$expr": {"$and": [{"$lte": [f.ref(f.CLAIMABLE_AT), NOW]}, *guards, *checks]},
     }
@@ -191,8 +193,8 @@ def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
     count is zero, so what is left is small (a look-alike server that interprets
     expressions claims such a task in a third of the time). Whatever it matches,
     ``claim_filter`` matches too, and ``fresh_claim_update`` writes what ``claim_update`` would."""
-    fresh = {f.STATE: TaskState.PENDING.value, f.WORKERS: {"$size": 0}}
-    return _due_for(worker_id, fresh, {"$lt": [f.ref(f.FAILURES), MAX_FAILURES]}, {"$lt": [0, CONCURRENCY]})
+    checks = ({"$lt": [f.ref(f.FAILURES), MAX_FAILURES]}, {"$lt": [0, CONCURRENCY]})
+    return _due_for(worker_id, TaskState.PENDING.value, {"$size": 0}, *checks)
 
 
 def fresh_claim_update(worker_id: str, run_id: str) -> list[Expr]:
