@@ -26,6 +26,7 @@ from taskrunner.store.base import ChangeEvent, ChangeStream, Store
 
 ClaimTime = Callable[[Task], tuple[float, Rank] | None]
 log = structlog.get_logger("taskrunner.discovery")
+REPORTED_MAX = 10_000  # unreadable documents remembered so scans do not log them again
 MAX_BACKOFF = 3.0  # seconds between reconnect attempts while the server is away (before jitter)
 
 
@@ -49,6 +50,7 @@ class Discovery:
         self._token: Mapping[str, Any] | None = None
         self._rescan = True
         self._failures = 0
+        self._reported: dict[str | None, str] = {}
 
     def apply(self, task: Task) -> None:
         """Schedule the task's next claim time for this worker, or forget it."""
@@ -65,7 +67,7 @@ class Discovery:
         if event.key is not None:
             self.queue.discard(event.key)
         if event.problem:
-            log.warning("skipping unreadable task document", key=event.key, problem=event.problem)
+            self._report(event.key, event.problem, repeat=True)
             self.sweep()
 
     async def scan(self) -> int:
@@ -73,13 +75,24 @@ class Discovery:
         self._rescan, self.queue.overflowed, after, seen = False, False, None, 0
         while True:
             page = await self.store.candidates(after=after, limit=self.page_size)
-            for task in page:
+            for task in page.tasks:
                 self.apply(task)
-            seen += len(page)
-            if len(page) < self.page_size:
+            for bad in page.unreadable:
+                self._report(bad.key, bad.problem, repeat=False)
+            seen += len(page.tasks)
+            if page.after is None:
                 self.sweep()
                 return seen
-            after = page[-1].key
+            after = page.after
+
+    def _report(self, key: str | None, problem: str, *, repeat: bool) -> None:
+        # A change event is news, so it is always logged; a scan (every poll interval when
+        # polling) logs a document only when its problem is new, so logs do not fill up.
+        if repeat or self._reported.get(key) != problem:
+            log.warning("skipping unreadable task document", key=key, problem=problem)
+        if len(self._reported) >= REPORTED_MAX:
+            self._reported.clear()
+        self._reported[key] = problem
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the collection until ``stop`` is set, recovering from every error."""

@@ -6,10 +6,12 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from taskrunner import ChangeStreamsUnsupported, MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.models import WorkerInfo
 from taskrunner.schedule import ClaimQueue
-from taskrunner.store.base import ChangeStream
+from taskrunner.store.base import ChangeStream, Page
 from taskrunner.worker import Worker
 
 
@@ -93,6 +95,31 @@ async def test_worker_polls_when_the_server_has_no_change_streams() -> None:
     await run_until(worker, lambda: len(done) == 2)
     await publisher
     assert worker.discovery.polling and sorted(done) == ["after", "before"]
+
+
+class CountedScans(NoStreams):
+    """Polls like NoStreams and counts the first pages it serves, one per scan."""
+
+    scans = 0
+
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
+        self.scans += after is None
+        return await super().candidates(after=after, limit=limit)
+
+
+async def test_a_scan_reports_an_unreadable_document_once_and_runs_the_tasks_after_it() -> None:
+    """A scan names an unreadable document (once, however often it polls) and still pages on to later tasks."""
+    store = CountedScans()
+    runner, done = make_runner(store)
+    store.insert_document({"key": "a-broken", "name": "job", "params": "nope", "state": "PENDING"})
+    await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(4)])
+    worker = Worker(runner, worker_id="w", poll_interval=0.05)
+    worker.discovery.page_size = 2  # the broken document shares the first page with a task
+    with capture_logs() as logs:
+        await run_until(worker, lambda: len(done) == 4 and store.scans >= 3)
+    skipped = [e for e in logs if e["event"] == "skipping unreadable task document"]
+    assert sorted(done) == [f"k{i}" for i in range(4)]
+    assert len(skipped) == 1 and skipped[0]["key"] == "a-broken" and "params" in skipped[0]["problem"]
 
 
 class ForgetfulStore(MemoryStore):

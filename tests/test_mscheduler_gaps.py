@@ -40,9 +40,9 @@ from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.context import TaskContext
 from taskrunner.errors import StoreUnavailable
-from taskrunner.models import EntryState, NewTask, Task, TaskState
+from taskrunner.models import EntryState, NewTask, TaskState
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import ChangeEvent, ChangeStream, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Page, Store
 from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore
 from taskrunner.worker import Worker
@@ -395,7 +395,7 @@ async def test_gap_09_scan_pages_through_all_tasks_and_keeps_due_keys(runner: Ta
     pages: list[str | None] = []
     inner = runner.store.candidates
 
-    async def candidates(*, after: str | None = None, limit: int = 500) -> list[Task]:
+    async def candidates(*, after: str | None = None, limit: int = 500) -> Page:
         pages.append(after)
         return await inner(after=after, limit=limit)
 

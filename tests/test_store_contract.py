@@ -289,6 +289,26 @@ async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_i
         await store.get("broken")
 
 
+async def test_a_scan_names_unreadable_documents_and_pages_past_them(store: Store, raw_insert: Raw) -> None:
+    """Scan pages name each unreadable unfinished document and a page holding one does not end the scan."""
+    await publish(store, *(task(f"k{i}") for i in range(5)))
+    await raw_insert({"key": "k1-broken", "name": "job", "params": "nope", "state": "PENDING"})
+    await raw_insert({"key": 7, "name": "job", "state": "PENDING"})  # a key no claim by key can name
+    tasks, unreadable, after, pages = [], [], None, 0
+    while True:
+        page = await store.candidates(after=after, limit=2)
+        tasks += [t.key for t in page.tasks]
+        unreadable += page.unreadable
+        pages += 1
+        if page.after is None:
+            break
+        after = page.after
+        assert pages < 10, "the scan does not progress"
+    assert tasks == [f"k{i}" for i in range(5)]
+    problems = {u.key: u.problem for u in unreadable}
+    assert set(problems) == {"k1-broken", None} and "params" in problems["k1-broken"]
+
+
 async def next_events(stream: ChangeStream, n: int) -> list[ChangeEvent]:
     events: list[ChangeEvent] = []
     for _ in range(n):

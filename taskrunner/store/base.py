@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
+from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
 from taskrunner.rules import RunStatus
@@ -71,6 +72,41 @@ class ChangeEvent:
     problem: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A document no model reads, found by a scan: its key (if it has a string one) and why."""
+
+    key: str | None
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a scan. ``after`` continues the scan; None when this page was the last."""
+
+    tasks: list[Task]
+    unreadable: list[Unreadable]
+    after: str | None
+
+
+def page_of(docs: Sequence[dict[str, Any]], limit: int) -> Page:
+    """Read one scan page of raw documents; a page of ``limit`` documents may have a next."""
+    tasks: list[Task] = []
+    unreadable: list[Unreadable] = []
+    for doc in docs:
+        try:
+            tasks.append(Task.from_document(doc))
+        except MalformedTask as exc:
+            key = doc.get(f.KEY)
+            unreadable.append(Unreadable(key if isinstance(key, str) else None, str(exc)))
+    if not docs or len(docs) < limit:
+        return Page(tasks, unreadable, None)
+    # Pages go on after the last *string* key: later pages ask for keys greater than a
+    # string, which only strings are, so a non-string key can never stall the scan.
+    keys = [key for doc in docs if isinstance(key := doc.get(f.KEY), str)]
+    return Page(tasks, unreadable, keys[-1] if keys else "")
+
+
 class ChangeStream(Protocol):
     """An open stream of change events. Open it before scanning, so nothing written
     during the scan is missed (the seed's discovery order)."""
@@ -115,8 +151,9 @@ class Store(Protocol):
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
 
-    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
-        """One page of unfinished tasks in key order, starting after key ``after``."""
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
+        """One page of unfinished tasks in key order, starting after key ``after``; unreadable
+        documents are named in the page, not dropped, and never end the scan early."""
 
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None

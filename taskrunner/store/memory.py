@@ -12,6 +12,7 @@ import copy
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,7 +23,17 @@ from taskrunner import rules
 from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, MalformedTask, TaskNotFound
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
 from taskrunner.rules import RunStatus
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, Claimed, EventKind, RunResult, RunWrite
+from taskrunner.store.base import (
+    ChangeEvent,
+    ChangeStream,
+    Claim,
+    Claimed,
+    EventKind,
+    Page,
+    RunResult,
+    RunWrite,
+    page_of,
+)
 
 Doc = dict[str, Any]
 
@@ -135,10 +146,12 @@ class MemoryStore:
             if (state is None or d.get(f.STATE) == state.value) and (name is None or d.get(f.NAME) == name)
         ]
 
-    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
         keys = sorted(k for k, d in self._docs.items() if d.get(f.STATE) in rules.ACTIVE)
-        keys = [k for k in keys if after is None or k > after][:limit]
-        return [t for t in (self._readable(self._docs[k]) for k in keys) if t is not None]
+        keys = [k for k in keys if after is None or k > after][: limit or None]
+        page = page_of([_clone(self._docs[k]) for k in keys], limit)
+        # Documents are filed here under str(key), so that is what the next page goes after.
+        return page if page.after is None else replace(page, after=keys[-1])
 
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None

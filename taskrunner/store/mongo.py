@@ -38,7 +38,17 @@ from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, T
 from taskrunner.redact import redact
 from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claim, Claimed, EventKind, RunResult, RunWrite
+from taskrunner.store.base import (
+    ChangeEvent,
+    ChangeStream,
+    Claim,
+    Claimed,
+    EventKind,
+    Page,
+    RunResult,
+    RunWrite,
+    page_of,
+)
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
@@ -245,13 +255,13 @@ class MongoStore:
             query[f.NAME] = name
         return query
 
-    async def candidates(self, *, after: str | None = None, limit: int = 500) -> list[Task]:
+    async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
         query: Doc = {f.STATE: {"$in": list(rules.ACTIVE)}}
         if after is not None:
             query[f.KEY] = {"$gt": after}
         with mapped_errors():
-            cursor = self.collection.find(query).sort(f.KEY, 1).limit(limit)
-            return [t async for t in self._readable(cursor)]
+            docs = await self.collection.find(query).sort(f.KEY, 1).limit(limit).to_list()
+        return page_of(docs, limit)
 
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
