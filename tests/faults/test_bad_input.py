@@ -167,8 +167,8 @@ async def test_malformed_document_never_runs_and_never_stops_the_worker(
     doc = claimable(key, case)
     breaks(doc)
     await raw.insert_one(doc)
-    # The normal task's claim asks the server for the best eligible task: a claimable
-    # malformed document (priority 100) comes first and is rejected on the way.
+    # The worker learns of the document from its change stream (or its start-up scan) and
+    # sweeps with a keyless claim: a claimable malformed document is rejected on the way.
     await still_serves(runner, worker)
     if mode == REJECTED:
         stored = await wait_for(lambda: _rejected(raw, case), 30, f"{case} to be recorded as a failure")
