@@ -133,13 +133,23 @@ def reapable(doc: Doc, now: datetime) -> bool:
     return expired > 0 and numbers[2] + expired >= numbers[1]
 
 
+LEASE_EXPIRED: Doc = {
+    f.ERROR_TYPE: "LeaseExpired",
+    f.ERROR_MESSAGE: "the worker stopped renewing its lease (it died, hung or lost the server) "
+    "and no failure budget was left to run the task again",
+    f.ERROR_TRACEBACK: None,
+}
+"""The error a reaped task's dead runs end with, so the FAIL document says why."""
+
+
 def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     """Drop expired leases (each spends one failure), append this worker's entry
-    (none when the task is ``reapable``: then it just ends)."""
+    (none when the task is ``reapable``: then it ends, its dead runs kept as FAIL entries)."""
     if reapable(doc, now):
         expired = [w for w in _entries(doc) if is_expired(w, now)]
         doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
-        doc[f.WORKERS] = [w for w in _entries(doc) if w not in expired]
+        for entry in expired:
+            entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: dict(LEASE_EXPIRED), f.FINISHED_AT: now})
         summarize(doc, now)
         return
     entries = _entries(doc)

@@ -89,13 +89,21 @@ def test_claim_drops_expired_leases_and_counts_them() -> None:
 
 
 def test_expired_leases_count_against_the_budget_before_claiming() -> None:
-    """With max_failures=1 a task whose only run died is not run again: the next claim ends it FAIL."""
+    """With max_failures=1 a task whose only run died is not run again: the next claim ends it FAIL
+    and marks the dead run FAIL with a LeaseExpired error."""
     doc = doc_for(ping_interval=1, ping_timeout=2, max_failures=1)
     rules.apply_claim(doc, "w1", "r1", NOW)
     later = NOW + timedelta(seconds=3)
     assert rules.reapable(doc, later) and rules.claimable_by(doc, "w2", later)
     rules.apply_claim(doc, "w2", "r2", later)
-    assert doc[f.WORKERS] == [] and doc[f.FAILURES] == 1 and doc[f.STATE] == "FAIL"
+    [dead] = doc[f.WORKERS]  # kept as the FAIL record of the run that died, with the reason
+    assert (dead[f.WORKER_ID], dead[f.RUN_ID], dead[f.STATE], dead[f.FINISHED_AT]) == (
+        "w1",
+        "r1",
+        "FAIL",
+        later,
+    )
+    assert dead[f.ERROR][f.ERROR_TYPE] == "LeaseExpired" and doc[f.FAILURES] == 1 and doc[f.STATE] == "FAIL"
     assert doc[f.FINISHED_AT] == later and f.CLAIMABLE_AT not in doc
 
 

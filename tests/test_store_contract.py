@@ -432,15 +432,18 @@ async def _raw_docs(store: Store) -> AsyncIterator[dict[str, Any]]:
 
 async def test_a_dead_lease_that_spends_the_budget_ends_the_task(store: Store) -> None:
     """When the last allowed run's worker died, the next claim attempt ends the task FAIL
-    (instead of leaving it RUNNING forever) and claims nothing."""
+    (instead of leaving it RUNNING forever), records that run FAIL with a LeaseExpired error
+    and claims nothing."""
     await publish(store, task("last", options={"ping_interval": 0.2, "ping_timeout": 0.5, "max_failures": 1}))
     dead = await store.claim("w1", key="last")
     assert dead is not None
     await asyncio.sleep(0.8)
     assert await store.claim("w2", key="last") is None
     ended = await store.get("last")
-    assert (ended.state, ended.failures, ended.workers, ended.attempts) == (TaskState.FAIL, 1, [], 1)
-    assert ended.finished_at is not None and ended.claimable_at is None
+    assert (ended.state, ended.failures, ended.attempts) == (TaskState.FAIL, 1, 1)
+    assert [(w.worker_id, w.run_id, w.state.value) for w in ended.workers] == [("w1", dead.run_id, "FAIL")]
+    assert ended.last_error is not None and ended.last_error.type == "LeaseExpired"
+    assert ended.finished_at is not None and ended.claimable_at is None and ended.workers[0].finished_at
     assert (await store.retry("last")).state is TaskState.PENDING
 
 

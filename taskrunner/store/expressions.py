@@ -13,7 +13,7 @@ from typing import Any
 
 from taskrunner import fields as f
 from taskrunner.models import EntryState, TaskState
-from taskrunner.rules import ACTIVE, FINISHED
+from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED
 
 Expr = Any
 NOW = "$$NOW"
@@ -212,7 +212,8 @@ def fresh_claim_update(worker_id: str, run_id: str) -> list[Expr]:
 
 def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     """Drop expired leases (each spends a failure) and append this worker's entry, or
-    none when the task is ``reapable`` (it then ends FAIL). ``run_id`` is a token or
+    none when the task is ``reapable`` (it then ends FAIL, its dead runs kept as FAIL
+    entries with the ``LeaseExpired`` error). ``run_id`` is a token or
     an expression choosing one per document (``run_id_by_key``)."""
     expired = "$_tr_exp"
     entry = new_entry(
@@ -220,12 +221,15 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     )
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
     reap = "$_tr_reap"
+    # A reaped task keeps its dead runs as FAIL entries, so the document says why it failed.
+    dead = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": LEASE_EXPIRED}, f.FINISHED_AT: NOW}
+    ended = {"$map": {"input": expired, "as": "w", "in": {"$mergeObjects": [W, dead]}}}
     return [
         {"$set": {"_tr_exp": entries(IS_EXPIRED), "_tr_nlive": count(IS_LIVE)}},
         {"$set": {"_tr_reap": reapable("$_tr_nlive", {"$size": expired})}},
         {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
                   f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]}}},
-        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, [], [entry]]}]}}},
+        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}}},
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
         *summary_stages(),
     ]  # fmt: skip

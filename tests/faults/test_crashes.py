@@ -333,7 +333,10 @@ async def test_task_that_kills_its_workers_ends_fail_and_the_fleet_survives(
     entries = [w for _, doc in changes.of("poison") for w in doc["workers"]]
     first, second = (m["worker_id"] for m in poison_starts)
     assert any(w["worker_id"] == second and w["took_over"] == [first] for w in entries)
-    assert poison.workers == [] and poison.finished_at is not None
+    # The run that died last stays as its FAIL record, naming why.
+    assert [(w.worker_id, w.state.value) for w in poison.workers] == [(second, "FAIL")]
+    assert poison.last_error is not None and poison.last_error.type == "LeaseExpired"
+    assert poison.finished_at is not None
     for i in range(20):
         assert (await runner.get(f"ok-{i:02d}")).state is TaskState.SUCCESS
 
