@@ -240,9 +240,7 @@ def roundtrips(r: Report) -> None:
             line(ax, lines, "workers", "roundtrips_per_task", f"{label}: all commands", "--o")
         for (conc,), lines in split(baseline, lambda g: (g.get("concurrency"),)):
             line(ax, lines, "workers", "roundtrips_per_task", f"baseline c={conc}: all commands", ":s")
-        ax.set_xlabel("workers")
-        ax.set_ylabel("round trips per task")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="workers", ylabel="round trips per task", ylim=(0, None))
 
     r.plot("roundtrips", "Round trips per task vs workers", draw)
     r.command("uv run python bench/roundtrips.py --workers 1,2,4,8",
@@ -281,9 +279,7 @@ def claim_storm(r: Report) -> None:
     def draw(ax: Any) -> None:
         line(ax, gs, "workers", "attempts_per_claim", "attempts per claim", "-o")
         ax.axhline(1.3, color="grey", linestyle=":", label="target 1.3 (16 workers)")
-        ax.set_xlabel("workers")
-        ax.set_ylabel("claim attempts per claim")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="workers", ylabel="claim attempts per claim", ylim=(0, None))
 
     r.plot("claim_storm", "Claim attempts per claim vs workers", draw)
     r.command("uv run python bench/claim_storm.py --workers 2,4,8,16")
@@ -312,9 +308,7 @@ def pickup(r: Report) -> None:
             if values:
                 ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
                         label=label(g.config))  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_xlabel("pickup latency (ms, log scale)")
-        ax.set_ylabel("fraction of tasks")
+        ax.set(xscale="log", xlabel="pickup latency (ms, log scale)", ylabel="fraction of tasks")
 
     r.plot("pickup", "Pickup latency CDF", draw)
     r.command("uv run python bench/pickup.py --mode stream", "uv run python bench/pickup.py --mode polling",
@@ -337,9 +331,7 @@ def throughput(r: Report) -> None:
         for (system, conc), lines in split(gs, lambda g: (g.get("system"), g.get("concurrency"))):
             style = "-o" if system == "taskrunner" else "--s"
             line(ax, lines, "workers", "tasks_per_s", f"{system} c={conc}", style)
-        ax.set_xlabel("workers")
-        ax.set_ylabel("tasks per second")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="workers", ylabel="tasks per second", ylim=(0, None))
 
     r.plot("throughput", "Throughput vs workers and concurrency", draw)
     r.command("uv run python bench/throughput.py --workers 1,2,4 --concurrency 1,4,16",
@@ -361,8 +353,7 @@ def takeover(r: Report) -> None:
         data = [d for d in data if d[1]]
         if data:
             ax.boxplot([d[1] for d in data], tick_labels=[d[0] for d in data])
-        ax.set_ylabel("seconds until taken over")
-        ax.set_ylim(bottom=0)
+        ax.set(ylabel="seconds until taken over", ylim=(0, None))
 
     r.plot("takeover", "Takeover time after SIGKILL and SIGTERM", draw)
     r.command("uv run python bench/takeover.py")
@@ -398,9 +389,7 @@ def heartbeat(r: Report) -> None:
     def draw(ax: Any) -> None:
         line(ax, gs, "in_flight", "writes_per_interval", "write commands", "-o")
         line(ax, gs, "in_flight", "statements_per_interval", "documents addressed", "--o")
-        ax.set_xlabel("runs in flight")
-        ax.set_ylabel("per ping interval")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="runs in flight", ylabel="per ping interval", ylim=(0, None))
 
     r.plot("heartbeat", "Heartbeat writes per interval vs runs in flight", draw)
     r.command("uv run python bench/heartbeat.py --in-flight 1,10,50")

@@ -145,16 +145,15 @@ LEASE_EXPIRED: Doc = {
 def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     """Drop expired leases (each spends one failure), append this worker's entry
     (none when the task is ``reapable``: then it ends, its dead runs kept as FAIL entries)."""
-    if reapable(doc, now):
-        expired = [w for w in _entries(doc) if is_expired(w, now)]
-        doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
-        for entry in expired:
-            entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: dict(LEASE_EXPIRED), f.FINISHED_AT: now})
-        summarize(doc, now)
-        return
+    reap = reapable(doc, now)  # decided before the expired leases are counted
     entries = _entries(doc)
     expired = [w for w in entries if is_expired(w, now)]
     doc[f.FAILURES] = doc[f.FAILURES] + len(expired)
+    if reap:
+        for dead in expired:
+            dead.update({f.STATE: EntryState.FAIL.value, f.ERROR: dict(LEASE_EXPIRED), f.FINISHED_AT: now})
+        summarize(doc, now)
+        return
     attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
     timeout = _num(option(doc, f.PING_TIMEOUT))
     entry = {
