@@ -585,6 +585,7 @@ def worker(
                 total=sum(counts.values()),
                 commands=counts,
                 jobs=counter.by_job(),
+                change_events=counter.events(),
             )
 
 

@@ -16,6 +16,13 @@ proxy's command executor and fixes three things:
 * Change history.  mongoeco records events only while a watcher exists, and
   writes without one become gaps that break later resumes, so one idle
   watcher stays open for the server's lifetime.
+* Update descriptions.  mongoeco's update events carry no ``updateDescription``,
+  so a ``$match`` on ``updateDescription.updatedFields`` (how MongoDB users
+  filter events before any lookup) never matches.  The bridge diffs each
+  update's post-image against the previous one it saw for that document
+  (the embedded engine starts empty, so it sees every document's history) and
+  adds ``updatedFields``/``removedFields``/``truncatedArrays`` in MongoDB's
+  dotted-path form.
 * ``collMod``.  mongoeco has no ``collMod``; the bridge applies its validator
   settings (``validator``, ``validationLevel``, ``validationAction``) to the
   engine's stored collection options, so ``taskrunner init --validator`` works
@@ -25,10 +32,10 @@ proxy's command executor and fixes three things:
   then send back.  Replies get Int64 ids and requests get plain ints.
 
 The bridge reads mongoeco internals (the executor seam, the hub's lock and
-event list, the cursor offset); ``tests/test_embedded.py`` fails loudly when a
-mongoeco upgrade moves any of them.  Known mongoeco quirks the bridge does not
-hide: update events carry no ``updateDescription``, dropping a collection
-loses the next change event, and cross-type comparisons differ from MongoDB.
+event list and its append funnel, the cursor offset); ``tests/test_embedded.py``
+fails loudly when a mongoeco upgrade moves any of them.  Known mongoeco quirks
+the bridge does not hide: dropping a collection loses the next change event,
+and cross-type comparisons differ from MongoDB.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import ipaddress
 import secrets
 import signal
@@ -172,6 +180,63 @@ async def _collect(stream: Any, limit: int, await_ms: int) -> list[Any]:
     return events
 
 
+def update_description(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What MongoDB reports for an update from ``before`` to ``after``: changed paths (dotted,
+    into sub-documents and array elements), removed fields and shortened arrays."""
+    description: dict[str, Any] = {"updatedFields": {}, "removedFields": [], "truncatedArrays": []}
+    _diff_document(before, after, "", description)
+    return description
+
+
+def _diff_document(before: dict[str, Any], after: dict[str, Any], prefix: str, out: dict[str, Any]) -> None:
+    for name, value in after.items():
+        if name not in before:
+            out["updatedFields"][prefix + name] = copy.deepcopy(value)
+        else:
+            _diff_value(before[name], value, prefix + name, out)
+    out["removedFields"].extend(prefix + name for name in before if name not in after)
+
+
+def _diff_value(old: Any, new: Any, path: str, out: dict[str, Any]) -> None:
+    if type(old) is type(new) and isinstance(new, dict):
+        _diff_document(old, new, path + ".", out)
+    elif type(old) is type(new) and isinstance(new, list):
+        if len(new) < len(old):
+            out["truncatedArrays"].append({"field": path, "newSize": len(new)})
+        for index, item in enumerate(new):
+            if index >= len(old):
+                out["updatedFields"][f"{path}.{index}"] = copy.deepcopy(item)
+            else:
+                _diff_value(old[index], item, f"{path}.{index}", out)
+    elif type(old) is not type(new) or old != new:
+        out["updatedFields"][path] = copy.deepcopy(new)
+
+
+class _UpdateDescriptions:
+    """Adds ``updateDescription`` to the update events of one mongoeco change hub.
+
+    Wraps the hub's single append point; keeps the last post-image of every document
+    (by namespace and ``_id``) to diff the next update against.
+    """
+
+    def __init__(self, hub: Any) -> None:
+        self._images: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._append = hub._append_committed_event_locked
+        hub._append_committed_event_locked = self.append
+
+    def append(self, event: Any) -> None:
+        ident = (event.db_name, event.coll_name, repr(event.document_key.get("_id")))
+        before = self._images.get(ident)
+        if event.operation_type == "delete":
+            self._images.pop(ident, None)
+        elif event.full_document is not None:
+            self._images[ident] = copy.deepcopy(event.full_document)
+            if event.operation_type == "update" and before is not None and event.update_description is None:
+                described = update_description(before, event.full_document)
+                event = dataclasses.replace(event, update_description=described)
+        self._append(event)
+
+
 @dataclass(frozen=True, slots=True)
 class _BridgedCommand:
     """Request context for commands the bridge answers; the proxy only passes it back to us."""
@@ -197,6 +262,7 @@ class _ChangeStreams:
         self._cursors: dict[int, _StreamCursor] = {}
         # Never read: it only keeps mongoeco recording history between streams.
         self._keeper = client.watch(max_await_time_ms=0)
+        self._descriptions = _UpdateDescriptions(self._keeper._hub)
 
     def owns(self, cursor_id: object) -> bool:
         return _is_bridge_id(cursor_id)

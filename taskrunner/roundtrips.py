@@ -75,6 +75,7 @@ class RoundTripCounter(monitoring.CommandListener):
         self._targets: Counter[tuple[str, str]] = Counter()
         self._jobs: Counter[str] = Counter()
         self._statements: Counter[str] = Counter()
+        self._events = 0
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         name = event.command_name
@@ -87,7 +88,16 @@ class RoundTripCounter(monitoring.CommandListener):
             self._statements[_opcounter(name)] += _statements(name, event.command)
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        return None
+        if event.command_name not in {"getMore", "aggregate"}:
+            return
+        cursor = event.reply.get("cursor")
+        batch = (
+            (cursor.get("nextBatch") or cursor.get("firstBatch") or []) if isinstance(cursor, dict) else []
+        )
+        events = sum(isinstance(doc, Mapping) and "operationType" in doc for doc in batch)
+        if events:
+            with self._lock:
+                self._events += events
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         return None
@@ -114,6 +124,11 @@ class RoundTripCounter(monitoring.CommandListener):
         with self._lock:
             return dict(sorted(self._statements.items()))
 
+    def events(self) -> int:
+        """Change events received (documents in change-stream batches)."""
+        with self._lock:
+            return self._events
+
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
@@ -126,4 +141,5 @@ class RoundTripCounter(monitoring.CommandListener):
             self._targets.clear()
             self._jobs.clear()
             self._statements.clear()
+            self._events = 0
             return counts

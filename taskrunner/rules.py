@@ -9,7 +9,7 @@ null or not a date never matches.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -19,6 +19,7 @@ from taskrunner.models import EntryState, NewTask, Task, TaskState
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
 ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
+PENDING_UNCHANGED = object()  # marks "state not among the changed fields" in ``wakes``
 
 
 def _num(value: object) -> float | None:
@@ -305,6 +306,38 @@ def next_claim(task: Task, worker_id: str) -> datetime | None:
         return None  # mscheduler gap 6: never run the same task twice on one worker
     running = [w.expires_at for w in mine if w.state is EntryState.RUNNING]
     return max([task.claimable_at, *running])
+
+
+def wakes(changed: Mapping[str, Any]) -> bool:
+    """Does an update that changed these top-level fields (to these values) give a worker
+    new work? Yes when the task went back to PENDING (a release, a failure with budget
+    left, a retry, a republish) or got a new ``run_at`` while unfinished (a failure that
+    freed one of several slots, ``update_pending``). Claims, renewals and outcomes do
+    not: those are exactly the events a worker's change stream leaves out."""
+    state = changed.get(f.STATE, PENDING_UNCHANGED)
+    return state == TaskState.PENDING.value or (f.RUN_AT in changed and state not in FINISHED)
+
+
+def changed_fields(before: Doc, after: Doc) -> Doc:
+    """Top-level fields whose value differs, with their new values (removed fields: None)."""
+    names = before.keys() | after.keys()
+    return {n: after.get(n) for n in names if n not in before or n not in after or before[n] != after[n]}
+
+
+def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime) -> bool:
+    """The sweep's filter (``Store.due``): an unfinished task of one of ``names`` that becomes
+    claimable by now or ``horizon``, allowed for the worker and not already run or being run by it."""
+    claimable_at = doc.get(f.CLAIMABLE_AT)
+    allowed = option(doc, f.WORKER_IDS)
+    mine = [w for w in _entries(doc) if w.get(f.WORKER_ID) == worker_id]
+    return (
+        doc.get(f.STATE) in ACTIVE
+        and doc.get(f.NAME) in names
+        and isinstance(claimable_at, datetime)
+        and claimable_at <= horizon
+        and (allowed == [] or (isinstance(allowed, list) and worker_id in allowed))
+        and not any(w.get(f.STATE) in (EntryState.RUNNING.value, EntryState.SUCCESS.value) for w in mine)
+    )
 
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)

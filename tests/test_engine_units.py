@@ -77,7 +77,9 @@ def test_every_worker_computes_the_same_claim_order() -> None:
 class NoStreams(MemoryStore):
     """A store whose server has no change streams, like a standalone mongod."""
 
-    async def watch(self, *, resume_after: Any = None, key: str | None = None) -> ChangeStream:
+    async def watch(
+        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None
+    ) -> ChangeStream:
         raise ChangeStreamsUnsupported("$changeStream is only supported on replica sets")
 
 
@@ -127,11 +129,13 @@ class ForgetfulStore(MemoryStore):
 
     lost = False
 
-    async def watch(self, *, resume_after: Any = None, key: str | None = None) -> ChangeStream:
+    async def watch(
+        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None
+    ) -> ChangeStream:
         if resume_after is not None and not self.lost:
             self.lost = True
             self._events.clear()
-        return await super().watch(resume_after=resume_after, key=key)
+        return await super().watch(resume_after=resume_after, key=key, work_for=work_for)
 
 
 async def test_lost_history_leads_to_a_rescan_and_no_stranded_task() -> None:

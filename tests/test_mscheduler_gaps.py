@@ -129,10 +129,10 @@ class WatchSpy:
         self.reopen = asyncio.Event()
         self.reopen.set()
 
-    async def __call__(self, *, resume_after: Mapping[str, Any] | None = None) -> ChangeStream:
+    async def __call__(self, *, resume_after: Mapping[str, Any] | None = None, **kwargs: Any) -> ChangeStream:
         self.calls.append(resume_after)
         await self.reopen.wait()
-        return SpiedStream(self, await self.inner(resume_after=resume_after))
+        return SpiedStream(self, await self.inner(resume_after=resume_after, **kwargs))
 
 
 class SpiedStream:

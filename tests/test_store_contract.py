@@ -361,6 +361,67 @@ async def test_malformed_documents_arrive_as_events_with_a_problem(store: Store,
     assert event.task is None and event.key == "broken" and event.problem and "params" in event.problem
 
 
+async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_or_outcomes(
+    store: Store,
+) -> None:
+    """``watch(work_for=names)`` delivers inserts of those names and wakes (a failure that
+    leaves budget, a retry); other names, claims, renewals and outcomes never arrive."""
+    stream = await store.watch(work_for=["job"])
+    await publish(store, task("a"), task("b", options={"max_failures": 1}), task("other", name="elsewhere"))
+    inserts = await next_events(stream, 2)
+    claim = await store.claim("w1", key="a")
+    assert claim is not None
+    await store.ping("a", claim.run_id)
+    await store.fail("a", claim.run_id, TaskError(type="E", message="once"))  # budget left: wakes
+    second = await store.claim("w1", key="b")
+    assert second is not None
+    await store.succeed("b", second.run_id, 1)
+    [wake] = await next_events(stream, 1)
+    assert await stream.next(0.3) is None
+    await stream.close()
+    assert [(e.kind, e.key) for e in inserts] == [("insert", "a"), ("insert", "b")]
+    assert inserts[0].task is not None and not inserts[0].wake
+    assert wake.wake and wake.task is None and wake.kind == "update"
+    assert wake.wake_at is not None and wake.wake_at >= (await store.get("a")).run_at - timedelta(seconds=1)
+
+
+async def test_a_release_and_a_retry_wake_a_workers_stream(store: Store) -> None:
+    """Giving a claim back and retrying a failed task each make the task claimable: both wake."""
+    await publish(store, task("r", options={"max_failures": 1}), task("f", options={"max_failures": 1}))
+    claim = await store.claim("w1", key="r")
+    failed = await store.claim("w1", key="f")
+    assert claim is not None and failed is not None
+    stream = await store.watch(work_for=["job"])
+    await store.release("r", claim.run_id)
+    await store.fail("f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
+    await store.retry("f")
+    events = await next_events(stream, 2)
+    assert await stream.next(0.3) is None
+    await stream.close()
+    assert all(e.wake and e.task is None for e in events)
+
+
+async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store) -> None:
+    """The sweep returns unfinished tasks of the worker's names claimable by the horizon,
+    earliest first: not finished ones, not other names, not ones the worker runs or ran,
+    not ones ``worker_ids`` keep from it, not ones due after the horizon."""
+    await publish(store, task("old"), task("later", delay=30), task("far", delay=3600))
+    await publish(store, task("other", name="elsewhere"), task("theirs", options={"worker_ids": ["w9"]}))
+    await publish(store, task("mine"), task("done"))
+    claim = await store.claim("w1", key="mine")
+    done = await store.claim("w2", key="done")
+    assert claim is not None and done is not None
+    await store.succeed("done", done.run_id)
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
+    assert [t.key for t in page.tasks] == ["old", "later"] and page.after is None
+    assert [t.key for t in (await store.due("w1", ["job"], horizon=now, limit=1)).tasks] == ["old"]
+    assert (await store.due("w1", ["job"], horizon=now, limit=1)).after is not None
+    assert "mine" in [
+        t.key for t in (await store.due("w2", ["job"], horizon=now + timedelta(seconds=40))).tasks
+    ]
+
+
 async def test_memory_watch_reports_lost_history() -> None:
     """Resuming from a token older than the kept history raises ChangeHistoryLost."""
     store = MemoryStore(history=2)

@@ -63,13 +63,19 @@ RunResult = RunStatus | StoreError
 
 @dataclass(frozen=True, slots=True)
 class ChangeEvent:
-    """A change to the task collection; ``task`` is None for deletes and unreadable documents."""
+    """A change to the task collection; ``task`` is None for deletes and unreadable documents.
+
+    On a worker's stream (``watch(work_for=...)``) an update carries no task either: it is
+    a *wake* (``wake`` True), saying some task may be claimable from ``wake_at`` on (when
+    the update says; else now), without saying which."""
 
     kind: EventKind
     key: str | None
     task: Task | None
     token: Mapping[str, Any] | None
     problem: str | None = None
+    wake: bool = False
+    wake_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +161,13 @@ class Store(Protocol):
         """One page of unfinished tasks in key order, starting after key ``after``; unreadable
         documents are named in the page, not dropped, and never end the scan early."""
 
+    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
+        """The sweep: unfinished tasks of ``names`` claimable by ``horizon`` (server time),
+        allowed for ``worker_id`` and not already run or being run by it, earliest
+        ``claimable_at`` first, at most ``limit``, through the claim index. It finds new
+        tasks nobody claimed, retries and expired leases (takeovers) without following
+        anyone's renewals; ``after`` of the page is None unless ``limit`` was reached."""
+
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
     ) -> Claim | None:
@@ -214,10 +227,15 @@ class Store(Protocol):
     async def unregister(self, worker_id: str) -> None: ...
 
     async def watch(
-        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+        self,
+        *,
+        resume_after: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        work_for: Sequence[str] | None = None,
     ) -> ChangeStream:
         """Open a stream of change events in commit order (only ``key``'s if given),
-        resumable from a token.
+        resumable from a token. ``work_for`` (task names) makes it a worker's stream:
+        only inserts of those names and wakes (``rules.wakes``), filtered by the server.
 
         Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
         ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""

@@ -242,6 +242,42 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     return {"$arrayElemAt": [{"$literal": run_ids}, position]}
 
 
+def due_filter(worker_id: str, names: list[str], horizon: Any) -> dict[str, Any]:
+    """``rules.sweepable``: what a worker's sweep reads, through the claim index (state,
+    claimable_at). ``horizon`` is a date (the worker's estimate of server time plus how
+    far ahead it looks): it only bounds the scan; every claim re-checks at ``$$NOW``."""
+    mine = {f.WORKER_ID: worker_id, f.STATE: {"$in": [EntryState.RUNNING.value, EntryState.SUCCESS.value]}}
+    return {
+        f.STATE: {"$in": list(ACTIVE)},
+        f.CLAIMABLE_AT: {"$lte": horizon},
+        f.NAME: {"$in": names},
+        "$or": _allowed(worker_id),
+        f.WORKERS: {"$not": {"$elemMatch": mine}},
+    }
+
+
+def work_match(names: list[str]) -> dict[str, Any]:
+    """The ``$match`` of a worker's change stream: only changes that can give it work.
+
+    New tasks of its names (inserts, and replacements, which carry the whole document),
+    and updates that ``rules.wakes`` (judged from ``updateDescription.updatedFields``, so
+    the server filters before any lookup). Claims, lease renewals and outcomes of other
+    workers never reach it.
+    """
+    changed = "updateDescription.updatedFields"
+    return {
+        "$or": [
+            {"operationType": {"$in": ["insert", "replace"]}, f"fullDocument.{f.NAME}": {"$in": names}},
+            {"operationType": "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
+            {
+                "operationType": "update",
+                f"{changed}.{f.RUN_AT}": {"$exists": True},
+                f"{changed}.{f.STATE}": {"$nin": list(FINISHED)},
+            },
+        ]
+    }
+
+
 def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
     """``rules.renewal_status`` is DONE: owned, not CANCELED, still allowed."""
     return {

@@ -63,7 +63,9 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], datetime] = _utcnow, history: int = 10_000) -> None:
         self._docs: dict[str, Doc] = {}
         self._clock = clock
-        self._events: list[tuple[int, EventKind, str | None, Doc | None]] = []
+        # (sequence, kind, key, document after, top-level fields an update changed)
+        self._events: list[tuple[int, EventKind, str | None, Doc | None, Doc | None]] = []
+        self._images: dict[str, Doc] = {}  # each key's last emitted document, to diff updates against
         self._seq = 0
         self._history = history
         self._changed = asyncio.Event()
@@ -152,6 +154,12 @@ class MemoryStore:
         page = page_of([_clone(self._docs[k]) for k in keys], limit)
         # Documents are filed here under str(key), so that is what the next page goes after.
         return page if page.after is None else replace(page, after=keys[-1])
+
+    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
+        docs = [d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)]
+        docs.sort(key=lambda d: d[f.CLAIMABLE_AT])
+        page = page_of([_clone(d) for d in docs[:limit]], limit)
+        return replace(page, after="" if len(docs) >= limit else None)
 
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
@@ -321,9 +329,13 @@ class MemoryStore:
         self._registry.pop(worker_id, None)
 
     async def watch(
-        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+        self,
+        *,
+        resume_after: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        work_for: Sequence[str] | None = None,
     ) -> ChangeStream:
-        stream = _MemoryChangeStream(self, self._position_after(resume_after), key)
+        stream = _MemoryChangeStream(self, self._position_after(resume_after), key, work_for)
         stream.check_history()
         return stream
 
@@ -343,7 +355,12 @@ class MemoryStore:
         self._seq += 1
         snapshot = _clone(doc)
         key = key if doc is None else doc.get(f.KEY)
-        self._events.append((self._seq, kind, key, snapshot))
+        image = str(key)
+        before = self._images.pop(image, None)
+        changed = rules.changed_fields(before, snapshot) if kind == "update" and before and snapshot else None
+        if snapshot is not None:
+            self._images[image] = snapshot
+        self._events.append((self._seq, kind, key, snapshot, changed))
         del self._events[: max(0, len(self._events) - self._history)]
         self._changed.set()
 
@@ -369,10 +386,13 @@ class MemoryStore:
 
 
 class _MemoryChangeStream:
-    def __init__(self, store: MemoryStore, position: int, key: str | None) -> None:
+    def __init__(
+        self, store: MemoryStore, position: int, key: str | None, work_for: Sequence[str] | None
+    ) -> None:
         self._store = store
         self._position = position
         self._key = key
+        self._work_for = None if work_for is None else frozenset(work_for)
         self._closed = False
 
     @property
@@ -397,20 +417,31 @@ class _MemoryChangeStream:
             fresh = self._fresh()
         if fresh is None or self._closed:
             return None
-        seq, kind, key, doc = fresh
+        seq, kind, key, doc, changed = fresh
         self._position = seq
+        if self._work_for is not None and kind == "update":
+            at = (changed or {}).get(f.CLAIMABLE_AT, (changed or {}).get(f.RUN_AT))
+            return ChangeEvent(kind, None, None, {"_data": str(seq)}, wake=True,
+                               wake_at=at if isinstance(at, datetime) else None)  # fmt: skip
         return self._store._event(seq, kind, key, doc)
 
-    def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None] | None:
+    def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None, Doc | None] | None:
         events = self._store._events
         start = max(0, self._position + 1 - events[0][0]) if events else 0  # sequence numbers are contiguous
         for event in events[start:]:
             if event[0] <= self._position:
                 continue
-            if self._key is None or (event[3] is not None and event[2] == self._key):
+            if self._wanted(event[1], event[2], event[3], event[4]):
                 return event
             self._position = event[0]  # filtered out, like a server-side $match
         return None
+
+    def _wanted(self, kind: EventKind, key: str | None, doc: Doc | None, changed: Doc | None) -> bool:
+        if self._work_for is not None:  # the worker's stream (expressions.work_match)
+            if kind in ("insert", "replace"):
+                return doc is not None and doc.get(f.NAME) in self._work_for
+            return kind == "update" and changed is not None and rules.wakes(changed)
+        return self._key is None or (doc is not None and key == self._key)
 
     async def close(self) -> None:
         self._closed = True

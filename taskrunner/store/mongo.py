@@ -58,6 +58,7 @@ _DOCUMENT_INVALID = 121
 _DUPLICATE_KEY = 11000
 _NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
 _AWAIT_MS = 500  # one getMore waits this long for changes
+_WORK_AWAIT_MS = 5000  # ... and on a worker's (filtered) stream
 
 
 @contextmanager
@@ -262,6 +263,13 @@ class MongoStore:
         with mapped_errors():
             docs = await self.collection.find(query).sort(f.KEY, 1).limit(limit).to_list()
         return page_of(docs, limit)
+
+    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
+        query = x.due_filter(worker_id, list(names), horizon)
+        with mapped_errors():
+            docs = await self.collection.find(query).sort(f.CLAIMABLE_AT, 1).limit(limit).to_list()
+        page = page_of(docs, limit)
+        return Page(page.tasks, page.unreadable, "" if len(docs) >= limit else None)
 
     async def claim(
         self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
@@ -490,16 +498,27 @@ class MongoStore:
             await self.registry.delete_one({f.ID: worker_id})
 
     async def watch(
-        self, *, resume_after: Mapping[str, Any] | None = None, key: str | None = None
+        self,
+        *,
+        resume_after: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        work_for: Sequence[str] | None = None,
     ) -> ChangeStream:
-        match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
-        if key is not None:
-            match["fullDocument.key"] = key
-        pipeline = [{"$match": match}]
-        with mapped_errors():
-            stream = await self.collection.watch(
-                pipeline, full_document="updateLookup", resume_after=resume_after, max_await_time_ms=_AWAIT_MS
+        if work_for is not None:
+            # A worker's stream: filtered by the server, no post-image lookups; it waits
+            # long per getMore because an idle worker need not ask often.
+            options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
+            pipeline = [{"$match": x.work_match(list(work_for))}]
+        else:
+            match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
+            if key is not None:
+                match["fullDocument.key"] = key
+            options, pipeline = (
+                {"full_document": "updateLookup", "max_await_time_ms": _AWAIT_MS},
+                [{"$match": match}],
             )
+        with mapped_errors():
+            stream = await self.collection.watch(pipeline, resume_after=resume_after, **options)
         return _MongoChangeStream(stream)
 
     async def close(self) -> None:
@@ -549,6 +568,13 @@ class _MongoChangeStream:
         kind: EventKind = change["operationType"]
         doc = change.get("fullDocument")
         token = change.get("_id")
+        if doc is None and kind == "update" and "updateDescription" in change:
+            changed = change["updateDescription"].get("updatedFields") or {}
+            if rules.wakes(changed):  # a worker's stream: which task is not said, only when
+                at = changed.get(f.CLAIMABLE_AT, changed.get(f.RUN_AT))
+                return ChangeEvent(
+                    kind, None, None, token, wake=True, wake_at=at if isinstance(at, datetime) else None
+                )
         if doc is None:  # a delete, or the document was gone by lookup time
             return ChangeEvent(kind, None, None, token)
         try:
