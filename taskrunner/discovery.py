@@ -1,92 +1,77 @@
-"""Discovery keeps the claim queue in step with the collection.
+"""Discovery: the worker's change stream, which only wakes it.
 
-The change stream is opened first and only then is the collection scanned
-(seed order), so nothing written during the scan is missed. The stream resumes
-from its token after an error; when history is lost, or the queue overflowed,
-everything is scanned again, page by page through *all* unfinished tasks (no
-first-N starvation). Against a server without change streams it polls.
-The stream only informs: claims are always atomic updates made elsewhere.
+The stream (``Store.watch(work_for=names)``) is filtered by the server: inserts of
+tasks the worker handles and *wakes* (a task became claimable again), nothing else:
+no other worker's claims, lease renewals or outcomes. Each new task goes to the
+worker's ``consider`` (which queues it only if this worker should claim it); a wake
+names no task, so it asks for a sweep (``Store.due``, an indexed query the worker
+runs while it has a free slot). Sweeps also cover what no stream says: expired
+leases, tasks another worker should have claimed, anything written while no stream
+was open (at start and after lost history).
+
+A stream that keeps failing for any reason (no change streams on the server, not
+authorized, getMores erroring) degrades the worker to polling: one warning, sweeps
+every ``poll_interval``, and the stream retried with capped backoff. A server that
+is away altogether is one error line per outage and quiet jittered retries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
+from datetime import datetime
 from typing import Any
 
 import structlog
 
-from taskrunner.errors import ChangeHistoryLost, ChangeStreamsUnsupported, StoreError
+from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable
 from taskrunner.models import Task
 from taskrunner.redact import redact
-from taskrunner.schedule import ClaimQueue, Rank
-from taskrunner.store.base import ChangeEvent, ChangeStream, Store
+from taskrunner.store.base import ChangeEvent, Store
 
-ClaimTime = Callable[[Task], tuple[float, Rank] | None]
 log = structlog.get_logger("taskrunner.discovery")
-REPORTED_MAX = 10_000  # unreadable documents remembered so scans do not log them again
+REPORTED_MAX = 10_000  # unreadable documents remembered so sweeps do not log them again
 MAX_BACKOFF = 3.0  # seconds between reconnect attempts while the server is away (before jitter)
+MAX_STREAM_RETRY = 60.0  # seconds between attempts to reopen a stream that keeps failing
+STREAM_WAIT = 5.0  # one wait for events; the stream only wakes, so an idle worker asks rarely
 
 
 class Discovery:
     def __init__(
         self,
         store: Store,
-        queue: ClaimQueue,
-        claim_time: ClaimTime,
+        names: Sequence[str],
         *,
-        poll_interval: float = 5.0,
-        page_size: int = 500,
-        sweep: Callable[[], None] = lambda: None,
+        consider: Callable[[Task], None],
+        sweep_at: Callable[[datetime | None], None],
+        keyless: Callable[[], None],
+        polling: bool = False,
     ) -> None:
-        """``sweep`` is called when unreadable documents may be claimable: after an event
-        showing one, and after each scan (which skips them)."""
-        self.store, self.queue, self.claim_time = store, queue, claim_time
-        self.sweep = sweep
-        self.poll_interval, self.page_size = poll_interval, page_size
-        self.polling = False
+        """``consider`` gets every new task; ``sweep_at`` asks for a sweep (None: now);
+        ``keyless`` asks for one claim without a key, which records unreadable documents."""
+        self.store, self.names = store, sorted(names)
+        self.consider, self.sweep_at, self.keyless = consider, sweep_at, keyless
+        self.polling = polling
+        """True while the worker finds work by sweeps alone (by choice, or the stream fails)."""
+        self.by_choice = polling
         self._token: Mapping[str, Any] | None = None
-        self._rescan = True
         self._failures = 0
+        self._stream_failures = 0
         self._reported: dict[str | None, str] = {}
-
-    def apply(self, task: Task) -> None:
-        """Schedule the task's next claim time for this worker, or forget it."""
-        when = self.claim_time(task)
-        if when is None:
-            self.queue.discard(task.key)
-        else:
-            self.queue.put(task.key, *when)
 
     def on_event(self, event: ChangeEvent) -> None:
         if event.task is not None:
-            self.apply(event.task)
-            return
-        if event.key is not None:
-            self.queue.discard(event.key)
-        if event.problem:
-            self._report(event.key, event.problem, repeat=True)
-            self.sweep()
+            self.consider(event.task)
+        elif event.wake:
+            self.sweep_at(event.wake_at)
+        elif event.problem:
+            self.report(event.key, event.problem, repeat=True)
+            self.keyless()
 
-    async def scan(self) -> int:
-        """Page through every unfinished task; returns how many were read."""
-        self._rescan, self.queue.overflowed, after, seen = False, False, None, 0
-        while True:
-            page = await self.store.candidates(after=after, limit=self.page_size)
-            for task in page.tasks:
-                self.apply(task)
-            for bad in page.unreadable:
-                self._report(bad.key, bad.problem, repeat=False)
-            seen += len(page.tasks)
-            if page.after is None:
-                self.sweep()
-                return seen
-            after = page.after
-
-    def _report(self, key: str | None, problem: str, *, repeat: bool) -> None:
-        # A change event is news, so it is always logged; a scan (every poll interval when
+    def report(self, key: str | None, problem: str, *, repeat: bool) -> None:
+        # A change event is news, so it is always logged; a sweep (every interval when
         # polling) logs a document only when its problem is new, so logs do not fill up.
         if repeat or self._reported.get(key) != problem:
             log.warning("skipping unreadable task document", key=key, problem=problem)
@@ -95,51 +80,53 @@ class Discovery:
         self._reported[key] = problem
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Follow the collection until ``stop`` is set, recovering from every error."""
+        """Follow the stream until ``stop`` is set, recovering from every error."""
+        if self.by_choice:
+            await stop.wait()
+            return
         while not stop.is_set():
             try:
-                if self.polling:
-                    await self._poll(stop)
-                else:
-                    await self._stream(stop)
-                self._recovered()
-            except ChangeStreamsUnsupported as exc:
-                self.polling = True
-                log.warning("no change streams on this server; polling instead",
-                            interval=self.poll_interval, reason=redact(str(exc)))  # fmt: skip
+                await self._stream(stop)
             except ChangeHistoryLost:
-                log.info("change stream history lost; rescanning")
-                self._token, self._rescan = None, True
-            except StoreError as exc:
+                log.info("change stream history lost; sweeping")
+                self._token = None
+            except StoreUnavailable as exc:
                 await self._back_off(stop, exc)
+            except StoreError as exc:  # unsupported, unauthorized, getMores failing, ...
+                await self._degrade(stop, exc)
 
     async def _stream(self, stop: asyncio.Event) -> None:
-        stream = await self.store.watch(resume_after=self._token)
+        stream = await self.store.watch(resume_after=self._token, work_for=self.names)
         try:
-            if self._token is None or self._rescan:
-                count = await self.scan()
-                log.debug("scanned unfinished tasks", count=count, queued=len(self.queue))
-            await self._follow(stream, stop)
+            if self._token is None:
+                self.sweep_at(None)  # what was written while no stream was open
+            self._opened()
+            while not stop.is_set():
+                event = await stream.next(STREAM_WAIT)
+                self._token = stream.resume_token
+                self._recovered()
+                if event is not None:
+                    self.on_event(event)
         finally:
             with suppress(StoreError):
                 await stream.close()
 
-    async def _follow(self, stream: ChangeStream, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            event = await stream.next(0.5)
-            self._token = stream.resume_token
-            self._recovered()
-            if event is not None:
-                self.on_event(event)
-            if self.queue.overflowed and len(self.queue) < self.queue.capacity // 2:
-                await self.scan()  # what the overflow evicted is far off: fetch it again
+    def _opened(self) -> None:
+        if self.polling:
+            log.info("change stream recovered; sweeping on events again", failures=self._stream_failures)
+            self.polling = False
+        self._stream_failures = 0
 
-    async def _poll(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.scan()
-            self._recovered()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.poll_interval)
+    async def _degrade(self, stop: asyncio.Event, exc: StoreError) -> None:
+        """Poll (sweep every poll interval) and retry the stream with capped backoff."""
+        if not self.polling:
+            log.warning("change stream failing; polling instead while retrying it", reason=redact(str(exc)))
+            self.polling = True
+            self.sweep_at(None)
+        self._stream_failures += 1
+        delay = min(MAX_STREAM_RETRY, 0.5 * 2 ** min(self._stream_failures, 8)) * random.uniform(0.5, 1.0)
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
 
     def _recovered(self) -> None:
         if self._failures:

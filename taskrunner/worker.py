@@ -1,12 +1,20 @@
 """The worker: a stop event, a semaphore of slots, and named side tasks under a monitor.
 
-Side tasks: ``discovery`` (change stream + scans feeding the claim queue),
-``claimer`` (waits for a free slot and a due task, then claims atomically) and
-``clock`` (keeps the estimate of the server's clock, so scheduling never trusts
-this machine's clock). A side task that crashes is logged and restarted; nothing
-a document or a handler does stops the worker. On stop, claiming ends, running
-handlers get ``shutdown_timeout`` seconds, then are cancelled and their claims
-released so another worker takes over at once, without spending failure budget.
+Side tasks: ``discovery`` (the change stream, which only wakes: new tasks and wakes),
+``claimer`` (waits for a free slot and a due entry in the claim queue, then claims
+atomically, or sweeps), ``clock`` (keeps the estimate of the server's clock, so
+scheduling never trusts this machine's clock) and ``registry`` (beats, learns peers).
+A side task that crashes is logged and restarted; nothing a document or a handler
+does stops the worker. On stop, claiming ends, running handlers get
+``shutdown_timeout`` seconds, then are cancelled and their claims released so another
+worker takes over at once, without spending failure budget.
+
+Who claims what does not depend on when events arrive: every worker that hears of a
+task computes the same rendezvous-hash owner among the live peers handling its name;
+only the owner queues it. A task its owner has not claimed ``ORPHAN_GRACE`` seconds
+after it became claimable (owner busy, dead, or the task was never heard of) is found
+by a sweep (``Store.due``) of any worker with a free slot, which also finds expired
+leases: no worker follows anyone's renewals.
 """
 
 from __future__ import annotations
@@ -34,20 +42,25 @@ from taskrunner.heartbeat import Heartbeat
 from taskrunner.models import Task, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
-from taskrunner.schedule import ClaimQueue, Due, Rank
+from taskrunner.schedule import ClaimQueue, Due
 from taskrunner.store.base import Claim, Store
 from taskrunner.writes import RunWrites
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
 
-MAX_MISSES = 8  # claim attempts on a due key the server keeps refusing before it is dropped
-# Seconds each rendezvous rank waits before claiming a newly due task. It adapts: a claim
-# that finds nothing (another worker won) widens it, a won claim narrows it again.
-MIN_CLAIM_STEP, MAX_CLAIM_STEP = 0.1, 0.25
-MAX_RANKS = 8
-SWEEP = "\0sweep"  # claim-queue entry for one claim without a key (see Worker.sweep)
+MAX_MISSES = 2  # claim attempts on a due key the server refuses before it is left to sweeps
+KEYLESS = "\0keyless"  # claim-queue entry for one claim without a key (see Worker.keyless)
+SWEEP = "\0sweep"  # claim-queue entry for the next sweep (see Worker.sweep_at)
+SPECIAL = (KEYLESS, SWEEP)
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
+ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's sweep may
+SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, orphans)
+SWEEP_LIMIT = 100  # tasks one sweep reads
+
+
+def _hash(key: str, worker_id: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest()
 
 
 def default_worker_id() -> str:
@@ -96,16 +109,16 @@ class Worker:
         self.concurrency, self.shutdown_timeout = concurrency, shutdown_timeout
         self.names = frozenset(runner.registry.names())
         self.queue = ClaimQueue(queue_capacity)
-        self.discovery = Discovery(
-            self.store, self.queue, self.claim_time, poll_interval=poll_interval, sweep=self.sweep
-        )
-        self.discovery.polling = discovery == "poll"
+        self.poll_interval = poll_interval
+        self.discovery = Discovery(self.store, sorted(self.names), consider=self.consider, sweep_at=self.sweep_at,
+                                   keyless=self.keyless, polling=discovery == "poll")  # fmt: skip
         self.clock = ServerClock()
         self.observer: WorkerObserver = observer or NullObserver()
         self.beat_interval = beat_interval
         self.started_at = datetime.now(UTC)
         self.peers: list[WorkerInfo] = []
-        self.claim_step = MIN_CLAIM_STEP
+        self._peers_known = asyncio.Event()
+        self._sweep_due: float | None = None
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
         self.batch = max(1, batch)
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
@@ -126,36 +139,36 @@ class Worker:
         self._stop.set()
         self.queue.changed.set()
 
-    def sweep(self) -> None:
+    def keyless(self) -> None:
         """Queue one claim without a key: the server picks the best claimable task, which
         reaches documents no model reads (they are recorded as failed runs, never run)."""
-        self.queue.put(SWEEP, self.clock.now(), (1, 0, 0.0))
+        self.queue.put(KEYLESS, self.clock.now(), (1, 0, 0.0))
 
-    def claim_time(self, task: Task) -> tuple[float, Rank] | None:
-        """When this worker may next claim ``task``, with its preference rank."""
-        if task.name not in self.names:
-            return None
-        at = rules.next_claim(task, self.worker_id)
+    def sweep_at(self, when: datetime | float | None) -> None:
+        """Sweep at ``when`` (server time; None: now) unless a sweep comes sooner."""
+        at = when.timestamp() if isinstance(when, datetime) else self.clock.now() if when is None else when
+        if self._sweep_due is None or at < self._sweep_due:
+            self._sweep_due = at  # kept apart from the queue, which may evict when it overflows
+            self.queue.changed.set()
+
+    def consider(self, task: Task) -> None:
+        """Queue ``task`` at the time this worker may claim it, if this worker should:
+        ``worker_ids`` name it, it owns the task, or the owner let the grace pass."""
+        at = rules.next_claim(task, self.worker_id) if task.name in self.names else None
         if at is None:
-            return None
-        mine = 0 if self.worker_id in task.options.worker_ids else 1
-        delay = 0.0 if mine == 0 else min(self.rank(task), MAX_RANKS) * self.claim_step
-        return at.timestamp() + delay, (mine, -task.priority, task.created_at.timestamp())
+            self.queue.discard(task.key)
+            return
+        mine = self.worker_id in task.options.worker_ids
+        when = at.timestamp()
+        if mine or self.owns(task) or when + ORPHAN_GRACE <= self.clock.now():
+            self.queue.put(task.key, when, (0 if mine else 1, -task.priority, task.created_at.timestamp()))
 
-    def rank(self, task: Task) -> int:
-        """This worker's place among the live peers that could claim ``task`` now.
-
-        Every worker computes the same rendezvous-hash order for a key, so when an
-        event makes a task due, rank 0 claims at once and rank r only after r steps;
-        by then the winner's claim event has usually arrived and the task is no longer
-        due. This keeps claim attempts near one per task without a coordinator.
-        """
-        free = {p.worker_id for p in self.peers if task.name in p.names and len(p.running) < p.concurrency}
-        candidates = free | {self.worker_id}
-        order = sorted(
-            candidates, key=lambda w: hashlib.blake2b(f"{task.key}\0{w}".encode(), digest_size=8).digest()
-        )
-        return order.index(self.worker_id)
+    def owns(self, task: Task) -> bool:
+        """Is this worker the task's owner: first in the rendezvous-hash order of the live
+        peers (from the registry) that handle its name? Every worker computes the same
+        order, so one claims and the others never try, whenever events reach them."""
+        candidates = [p.worker_id for p in self.peers if task.name in p.names] + [self.worker_id]
+        return min(candidates, key=lambda w: _hash(task.key, w)) == self.worker_id
 
     async def run(self) -> None:
         if not self.names:
@@ -192,18 +205,25 @@ class Worker:
     # -- claiming ------------------------------------------------------------------------------
     async def _claim_loop(self) -> None:
         await self._sync_clock()
+        with suppress(TimeoutError):  # ownership needs the peers; a silent registry must not block
+            await asyncio.wait_for(self._peers_known.wait(), 2 * self.beat_interval)
+        self.sweep_at(None)
         while not self._stop.is_set():
             await self._slots.acquire()
             held, claims = 1, []
             try:
                 due = await self._wait_due()
                 if due and due[0].key == SWEEP:
-                    self.queue.discard(SWEEP)  # one claim per sweep, whatever it finds
+                    self._sweep_due = None
+                    await self._sweep()
+                    continue
+                if due and due[0].key == KEYLESS:
+                    self.queue.discard(KEYLESS)  # one claim per request, whatever it finds
                 elif len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
                     await asyncio.sleep(0)  # runs that ended together free their slots first
                     held += await self._take_free_slots(min(len(due), self.batch) - 1)
                 if held >= MIN_BATCH:
-                    claims = await self._claim_batch([d for d in due if d.key != SWEEP][:held])
+                    claims = await self._claim_batch([d for d in due if d.key not in SPECIAL][:held])
                 elif due:
                     claims = await self._claim(due)
             finally:
@@ -221,14 +241,17 @@ class Worker:
         return taken
 
     async def _wait_due(self) -> list[Due]:
+        """Due claim-queue entries, best first; or the sweep marker when no key is due but the sweep is."""
         while not self._stop.is_set():
             self.queue.changed.clear()
             now = self.clock.now()
             due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
-            next_at = self.queue.next_at()
-            wait = None if next_at is None else max(0.0, next_at - now)
+            if self._sweep_due is not None and self._sweep_due <= now:
+                return [Due(self._sweep_due, (2, 0, 0.0), SWEEP)]
+            times = [t for t in (self.queue.next_at(), self._sweep_due) if t is not None]
+            wait = max(0.0, min(times) - now) if times else None
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.queue.changed.wait(), wait)
         return []
@@ -237,7 +260,7 @@ class Worker:
         # By key, the best due entry: the server then touches one document through the
         # unique key index instead of sorting every claimable task on each claim, and
         # rendezvous ranks already spread a burst of events over the workers.
-        key = None if due[0].key == SWEEP else due[0].key
+        key = None if due[0].key == KEYLESS else due[0].key
         try:
             claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
         except MalformedTask as exc:
@@ -273,20 +296,38 @@ class Worker:
         self._claimed(claimed.claims)
         return claimed.claims
 
+    async def _sweep(self) -> None:
+        """Read what is claimable soon (``Store.due``) and queue what this worker should
+        claim; then sweep again after the interval (the poll interval when polling)."""
+        now = self.clock.now()
+        interval = self.poll_interval if self.discovery.polling else SWEEP_INTERVAL
+        horizon = datetime.fromtimestamp(now + interval, UTC)
+        try:
+            page = await self.store.due(
+                self.worker_id, sorted(self.names), horizon=horizon, limit=SWEEP_LIMIT
+            )
+        except StoreError as exc:
+            self.sweep_at(now + self._claims.failed(exc))
+            return
+        self._claims.ok()
+        before = len(self.queue)
+        for task in page.tasks:
+            self.consider(task)
+        for bad in page.unreadable:
+            self.discovery.report(bad.key, bad.problem, repeat=False)
+        if page.unreadable:
+            self.keyless()
+        more = page.after is not None and len(self.queue) > before
+        self.sweep_at(now if more else now + interval)
+
     def _claimed(self, claims: list[Claim]) -> None:
-        if claims:
-            self.claim_step = max(self.claim_step * 0.9, MIN_CLAIM_STEP)
         for claim in claims:
             self.queue.discard(claim.task.key)
             self._misses.pop(claim.task.key, None)
 
     def _claimed_none(self, due: list[Due]) -> None:
-        """Another worker won (or the queue was stale): wait longer before racing, retry later."""
-        self.claim_step = min(self.claim_step * 1.5, MAX_CLAIM_STEP)
-        self._missed(due)
-
-    def _missed(self, due: list[Due]) -> None:
-        """These keys were not claimable: retry them later; events usually correct them first."""
+        """These keys were not claimable (claimed by another worker, or not quite due by the
+        server's clock): retry shortly, then leave them to sweeps."""
         for entry in due:
             misses = self._misses.get(entry.key, 0) + 1
             if misses > MAX_MISSES:
@@ -356,6 +397,7 @@ class Worker:
                 self._beats.ok()
             except StoreError as exc:
                 self._beats.failed(exc)
+            self._peers_known.set()
             await asyncio.sleep(self.beat_interval * random.uniform(0.9, 1.1))
 
     async def _shutdown(self) -> None:

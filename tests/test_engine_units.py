@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
@@ -58,8 +59,9 @@ async def run_until(worker: Worker, condition: Any, limit: float = 10.0) -> None
         await running
 
 
-def test_every_worker_computes_the_same_claim_order() -> None:
-    """Rendezvous ranks: for one key, the workers' ranks are a permutation of 0..n-1."""
+def test_exactly_one_worker_owns_each_task_and_owners_spread() -> None:
+    """Rendezvous ownership: for every key exactly one of five workers with the same peers
+    owns it, and 200 keys spread over all five (none gets more than twice its share)."""
     runner, _ = make_runner(MemoryStore())
     workers = [Worker(runner, worker_id=f"w{i}") for i in range(5)]
     started = datetime.now(UTC)
@@ -67,11 +69,18 @@ def test_every_worker_computes_the_same_claim_order() -> None:
         w.peers = [WorkerInfo(worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"],
                               concurrency=1) for o in workers if o is not w]  # fmt: skip
 
-    async def ranks(key: str) -> list[int]:
-        [task] = await runner.store.publish([runner.new_task({"name": "job", "key": key})])
-        return sorted(w.rank(task) for w in workers)
+    async def owners() -> list[str]:
+        tasks = await runner.store.publish(
+            [runner.new_task({"name": "job", "key": f"k{i}"}) for i in range(200)]
+        )
+        found = []
+        for task in tasks:
+            [owner] = [w.worker_id for w in workers if w.owns(task)]
+            found.append(owner)
+        return found
 
-    assert asyncio.run(ranks("a")) == asyncio.run(ranks("b")) == [0, 1, 2, 3, 4]
+    counts = Counter(asyncio.run(owners()))
+    assert sorted(counts) == [f"w{i}" for i in range(5)] and max(counts.values()) <= 80
 
 
 class NoStreams(MemoryStore):
@@ -99,26 +108,26 @@ async def test_worker_polls_when_the_server_has_no_change_streams() -> None:
     assert worker.discovery.polling and sorted(done) == ["after", "before"]
 
 
-class CountedScans(NoStreams):
-    """Polls like NoStreams and counts the first pages it serves, one per scan."""
+class CountedSweeps(NoStreams):
+    """Polls like NoStreams and counts the sweeps it serves."""
 
-    scans = 0
+    sweeps = 0
 
-    async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
-        self.scans += after is None
-        return await super().candidates(after=after, limit=limit)
+    async def due(self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100) -> Page:
+        self.sweeps += 1
+        return await super().due(worker_id, names, horizon=horizon, limit=limit)
 
 
-async def test_a_scan_reports_an_unreadable_document_once_and_runs_the_tasks_after_it() -> None:
-    """A scan names an unreadable document (once, however often it polls) and still pages on to later tasks."""
-    store = CountedScans()
+async def test_a_sweep_reports_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
+    """A sweep names an unreadable document (once, however often it polls) and still runs every other task."""
+    store = CountedSweeps()
     runner, done = make_runner(store)
-    store.insert_document({"key": "a-broken", "name": "job", "params": "nope", "state": "PENDING"})
+    store.insert_document({"key": "a-broken", "name": "job", "params": "nope", "state": "PENDING",
+                           "claimable_at": datetime(2020, 1, 1, tzinfo=UTC), "options": {"worker_ids": []}})  # fmt: skip
     await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(4)])
     worker = Worker(runner, worker_id="w", poll_interval=0.05)
-    worker.discovery.page_size = 2  # the broken document shares the first page with a task
     with capture_logs() as logs:
-        await run_until(worker, lambda: len(done) == 4 and store.scans >= 3)
+        await run_until(worker, lambda: len(done) == 4 and store.sweeps >= 3)
     skipped = [e for e in logs if e["event"] == "skipping unreadable task document"]
     assert sorted(done) == [f"k{i}" for i in range(4)]
     assert len(skipped) == 1 and skipped[0]["key"] == "a-broken" and "params" in skipped[0]["problem"]
@@ -138,8 +147,8 @@ class ForgetfulStore(MemoryStore):
         return await super().watch(resume_after=resume_after, key=key, work_for=work_for)
 
 
-async def test_lost_history_leads_to_a_rescan_and_no_stranded_task() -> None:
-    """After ChangeHistoryLost the worker rescans, so tasks written in the gap still run."""
+async def test_lost_history_leads_to_a_sweep_and_no_stranded_task() -> None:
+    """After ChangeHistoryLost the worker sweeps, so tasks written in the gap still run."""
     store = ForgetfulStore(history=1)
     runner, done = make_runner(store)
     worker = Worker(runner, worker_id="w")

@@ -267,7 +267,14 @@ def work_match(names: list[str]) -> dict[str, Any]:
     changed = "updateDescription.updatedFields"
     return {
         "$or": [
-            {"operationType": {"$in": ["insert", "replace"]}, f"fullDocument.{f.NAME}": {"$in": names}},
+            # A name that is not a string belongs to no worker: every worker hears of it and names the problem.
+            {
+                "operationType": {"$in": ["insert", "replace"]},
+                "$or": [
+                    {f"fullDocument.{f.NAME}": {"$in": names}},
+                    {f"fullDocument.{f.NAME}": {"$not": {"$type": "string"}}},
+                ],
+            },
             {"operationType": "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
             {
                 "operationType": "update",

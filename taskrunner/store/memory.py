@@ -439,7 +439,8 @@ class _MemoryChangeStream:
     def _wanted(self, kind: EventKind, key: str | None, doc: Doc | None, changed: Doc | None) -> bool:
         if self._work_for is not None:  # the worker's stream (expressions.work_match)
             if kind in ("insert", "replace"):
-                return doc is not None and doc.get(f.NAME) in self._work_for
+                name = None if doc is None else doc.get(f.NAME)
+                return doc is not None and (name in self._work_for or not isinstance(name, str))
             return kind == "update" and changed is not None and rules.wakes(changed)
         return self._key is None or (doc is not None and key == self._key)
 

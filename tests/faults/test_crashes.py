@@ -260,13 +260,13 @@ async def test_killed_change_stream_cursor_strands_no_task(
         ]
     print(f"after the cursor kill: pickup max {max(pickups):.2f}s")
     assert reopened, "the worker opened a new change stream"
-    assert max(pickups) < 5.0  # found through the reopened stream, not a late rescan
+    assert max(pickups) < 5.0  # found through the reopened stream, not a late sweep
 
 
-async def test_lost_change_history_leads_to_a_rescan_and_strands_nothing(
+async def test_lost_change_history_leads_to_a_sweep_and_strands_nothing(
     own_server: EmbeddedServer, collection_name: str, tmp_path: Path
 ) -> None:
-    """A stalled worker's stream falls out of a 20-event history: it rescans and runs all 60 tasks."""
+    """A stalled worker's stream falls out of a 20-event history: it sweeps and runs all 60 tasks."""
     async with TaskRunner(own_server.uri, collection=collection_name) as runner:
         await runner.init()
         with WorkerPool(own_server.uri, collection_name, tmp_path, app=FAULTS_APP) as pool:
@@ -280,7 +280,7 @@ async def test_lost_change_history_leads_to_a_rescan_and_strands_nothing(
             await asyncio.sleep(0.5)
             worker.resume()
             await wait_for(lambda: succeeded(runner, 61), 60, "61 successes", interval=0.2)
-            assert worker.find("change stream history lost; rescanning")
+            assert worker.find("change stream history lost; sweeping")
             assert worker.alive()
             starts = Counter(m["key"] for m in pool.marks(event="start"))
     assert starts == Counter(["warm-up", *(f"gap-{i:02d}" for i in range(60))])
