@@ -44,7 +44,7 @@ class Discovery:
         store: Store,
         names: Sequence[str],
         *,
-        consider: Callable[[Task], None],
+        consider: Callable[[Task], object],
         sweep_at: Callable[[datetime | None], None],
         keyless: Callable[[], None],
         polling: bool = False,

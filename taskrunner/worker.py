@@ -151,24 +151,30 @@ class Worker:
             self._sweep_due = at  # kept apart from the queue, which may evict when it overflows
             self.queue.changed.set()
 
-    def consider(self, task: Task) -> None:
+    def consider(self, task: Task, *, steal: bool = False) -> bool:
         """Queue ``task`` at the time this worker may claim it, if this worker should:
-        ``worker_ids`` name it, it owns the task, or the owner let the grace pass."""
+        ``worker_ids`` name it or it owns the task; with ``steal``, also when its owner let
+        the grace pass. Returns whether it was queued."""
         at = rules.next_claim(task, self.worker_id) if task.name in self.names else None
         if at is None:
             self.queue.discard(task.key)
-            return
+            return False
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
-        if mine or self.owns(task) or when + ORPHAN_GRACE <= self.clock.now():
+        if mine or self.owns(task) or (steal and when + ORPHAN_GRACE <= self.clock.now()):
             self.queue.put(task.key, when, (0 if mine else 1, -task.priority, task.created_at.timestamp()))
+            return True
+        return False
+
+    def rank(self, task: Task) -> int:
+        """This worker's place in the rendezvous-hash order of the live peers (from the
+        registry) that handle the task's name; 0 is the task's owner. Every worker computes
+        the same order, so one claims and the others never try, whatever events reach them."""
+        candidates = [p.worker_id for p in self.peers if task.name in p.names] + [self.worker_id]
+        return sorted(candidates, key=lambda w: _hash(task.key, w)).index(self.worker_id)
 
     def owns(self, task: Task) -> bool:
-        """Is this worker the task's owner: first in the rendezvous-hash order of the live
-        peers (from the registry) that handle its name? Every worker computes the same
-        order, so one claims and the others never try, whenever events reach them."""
-        candidates = [p.worker_id for p in self.peers if task.name in p.names] + [self.worker_id]
-        return min(candidates, key=lambda w: _hash(task.key, w)) == self.worker_id
+        return self.rank(task) == 0
 
     async def run(self) -> None:
         if not self.names:
@@ -311,8 +317,12 @@ class Worker:
             return
         self._claims.ok()
         before = len(self.queue)
-        for task in page.tasks:
-            self.consider(task)
+        others = [t for t in page.tasks if not self.consider(t)]
+        # Orphans: at most as many as there are free slots, those this worker ranks highest
+        # for first, so idle sweepers spread over them instead of all taking the same ones.
+        budget = max(1, self.concurrency - len(self.runs))
+        for task in sorted(others, key=self.rank)[:budget]:
+            self.consider(task, steal=True)
         for bad in page.unreadable:
             self.discovery.report(bad.key, bad.problem, repeat=False)
         if page.unreadable:
