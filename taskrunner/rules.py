@@ -318,6 +318,12 @@ def wakes(changed: Mapping[str, Any]) -> bool:
     return state == TaskState.PENDING.value or (f.RUN_AT in changed and state not in FINISHED)
 
 
+def wake_at(changed: Mapping[str, Any]) -> datetime | None:
+    """When a wake's task may be claimable: its new ``claimable_at``, else its new ``run_at``."""
+    at = changed.get(f.CLAIMABLE_AT, changed.get(f.RUN_AT))
+    return at if isinstance(at, datetime) else None
+
+
 def changed_fields(before: Doc, after: Doc) -> Doc:
     """Top-level fields whose value differs, with their new values (removed fields: None)."""
     names = before.keys() | after.keys()

@@ -420,9 +420,8 @@ class _MemoryChangeStream:
         seq, kind, key, doc, changed = fresh
         self._position = seq
         if self._work_for is not None and kind == "update":
-            at = (changed or {}).get(f.CLAIMABLE_AT, (changed or {}).get(f.RUN_AT))
             return ChangeEvent(kind, None, None, {"_data": str(seq)}, wake=True,
-                               wake_at=at if isinstance(at, datetime) else None)  # fmt: skip
+                               wake_at=rules.wake_at(changed or {}))  # fmt: skip
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None, Doc | None] | None:

@@ -571,10 +571,7 @@ class _MongoChangeStream:
         if doc is None and kind == "update" and "updateDescription" in change:
             changed = change["updateDescription"].get("updatedFields") or {}
             if rules.wakes(changed):  # a worker's stream: which task is not said, only when
-                at = changed.get(f.CLAIMABLE_AT, changed.get(f.RUN_AT))
-                return ChangeEvent(
-                    kind, None, None, token, wake=True, wake_at=at if isinstance(at, datetime) else None
-                )
+                return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed))
         if doc is None:  # a delete, or the document was gone by lookup time
             return ChangeEvent(kind, None, None, token)
         try:
