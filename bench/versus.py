@@ -24,7 +24,7 @@ events the workers received) and ``claim_attempts_per_claim`` (claim commands / 
 
     uv run python bench/versus.py [--workers 4,16] [--tasks 300] [--publish one|many]
                                   [--rounds 3] [--hog] [--systems taskrunner,loop]
-                                  [--smoke] [--results PATH]
+                                  [--uri URI] [--smoke] [--results PATH]
 
 One JSON line per run (bench "versus", config {"system", "workers", "publish", "hog"});
 bench/report.py takes medians per config, and ratios are taken within each round.
@@ -145,6 +145,7 @@ async def run_taskrunner(uri: str, collection: str, workers: int, tasks: int, ma
         **figures(tasks, end - start, pickups),
         "commands_per_task": round(sum(commands.values()) / tasks, 3),
         "commands_per_task_by_job": {k: round(v / tasks, 3) for k, v in sorted(jobs.items())},
+        "commands_per_task_by_name": {k: round(v / tasks, 3) for k, v in sorted(commands.items())},
         "getmores_per_task_per_worker": round(commands["getMore"] / tasks / workers, 3),
         "events_per_task_per_worker": round(events / tasks / workers, 3),
         "claim_attempts_per_claim": round(jobs["claim"] / tasks, 3),
@@ -206,7 +207,7 @@ SYSTEMS = {"taskrunner": run_taskrunner, "loop": run_loop}
 
 
 def run(args: argparse.Namespace) -> None:
-    with dev_server() as uri:
+    with contextlib.nullcontext(args.uri) if args.uri else dev_server() as uri:
         for round_ in range(args.rounds):
             for workers in args.workers:
                 order = args.systems if round_ % 2 == 0 else args.systems[::-1]
@@ -230,6 +231,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hog", action="store_true", help="keep both cores busy during every run")
     parser.add_argument("--systems", type=lambda s: s.split(","), default=["taskrunner", "loop"])
+    parser.add_argument("--uri", help="use this server instead of starting a dev-server (e.g. to profile it)")
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:

@@ -90,6 +90,11 @@ def _summary_state(doc: Doc) -> str:
     return TaskState.PENDING.value
 
 
+def fresh(doc: Doc) -> bool:
+    """Nobody ran this task yet: PENDING with no entries (what ``fresh`` claims take)."""
+    return doc.get(f.STATE) == TaskState.PENDING.value and doc.get(f.WORKERS) == []
+
+
 def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
     """May ``worker_id`` claim this task at server time ``now``? (the claim filter)"""
     claimable_at = doc.get(f.CLAIMABLE_AT)

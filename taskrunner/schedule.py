@@ -24,6 +24,8 @@ class Due:
     rank: Rank
     """(0 if the task names this worker else 1, -priority, created_at): lower first."""
     key: str
+    fresh: bool = False
+    """Nobody had run the task when it was queued: claimed with the small update."""
 
 
 class ClaimQueue:
@@ -45,8 +47,8 @@ class ClaimQueue:
         entry = self._live.get(key)
         return entry.at if entry else None
 
-    def put(self, key: str, at: float, rank: Rank) -> None:
-        entry = Due(at, rank, key)
+    def put(self, key: str, at: float, rank: Rank, *, fresh: bool = False) -> None:
+        entry = Due(at, rank, key, fresh)
         if self._live.get(key) == entry:
             return
         self._live[key] = entry

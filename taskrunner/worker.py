@@ -39,7 +39,7 @@ from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.heartbeat import Heartbeat
-from taskrunner.models import Task, WorkerInfo
+from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
 from taskrunner.schedule import ClaimQueue, Due
@@ -162,7 +162,9 @@ class Worker:
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
         if mine or self.owns(task) or (steal and when + ORPHAN_GRACE <= self.clock.now()):
-            self.queue.put(task.key, when, (0 if mine else 1, -task.priority, task.created_at.timestamp()))
+            rank = (0 if mine else 1, -task.priority, task.created_at.timestamp())
+            fresh = task.state is TaskState.PENDING and not task.workers
+            self.queue.put(task.key, when, rank, fresh=fresh)
             return True
         return False
 
@@ -268,7 +270,9 @@ class Worker:
         # rendezvous ranks already spread a burst of events over the workers.
         key = None if due[0].key == KEYLESS else due[0].key
         try:
-            claim = await self.store.claim(self.worker_id, key=key, names=sorted(self.names))
+            claim = await self.store.claim(
+                self.worker_id, key=key, names=sorted(self.names), fresh=due[0].fresh
+            )
         except MalformedTask as exc:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
             return []
@@ -287,7 +291,10 @@ class Worker:
         """Several slots are free and several tasks due: claim them in one update."""
         try:
             claimed = await self.store.claim_many(
-                self.worker_id, [d.key for d in due], names=sorted(self.names)
+                self.worker_id,
+                [d.key for d in due],
+                names=sorted(self.names),
+                fresh=all(d.fresh for d in due),
             )
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
@@ -336,16 +343,19 @@ class Worker:
             self._misses.pop(claim.task.key, None)
 
     def _claimed_none(self, due: list[Due]) -> None:
-        """These keys were not claimable (claimed by another worker, or not quite due by the
-        server's clock): retry shortly, then leave them to sweeps."""
+        """These keys were not claimable: not quite due by the server's clock (retry
+        shortly), or, once past the grace in which nobody else may take them, claimed or
+        changed by someone else (leave them to events and sweeps: retrying a taken task
+        would cost a command per try for nothing)."""
+        now = self.clock.now()
         for entry in due:
             misses = self._misses.get(entry.key, 0) + 1
-            if misses > MAX_MISSES:
+            if misses > MAX_MISSES or entry.at + ORPHAN_GRACE <= now:
                 self._misses.pop(entry.key, None)
                 self.queue.discard(entry.key)
             else:
                 self._misses[entry.key] = misses
-                self.queue.put(entry.key, self.clock.now() + min(0.05 * 2**misses, 5.0), entry.rank)
+                self.queue.put(entry.key, now + min(0.05 * 2**misses, 5.0), entry.rank, fresh=entry.fresh)
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(

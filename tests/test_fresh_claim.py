@@ -1,8 +1,8 @@
 """The small claim for a task nobody ran yet writes exactly what the general claim writes.
 
-``MongoStore.claim`` tries ``fresh_claim_filter``/``fresh_claim_update`` first (a third
-of the work on a server that interprets expressions) and falls back to the general
-claim; for any document both match, the two must agree, and the small filter must
+``MongoStore.claim(fresh=True)`` uses ``fresh_claim_filter``/``fresh_claim_update`` (a
+third of the work on a server that interprets expressions) for keys the worker saw with
+no runs; for any document both match, the two must agree, and the small filter must
 never match what the general one refuses.
 """
 

@@ -110,6 +110,18 @@ async def test_sixteen_concurrent_claimers_get_one_claim(store: Store) -> None:
     assert (await store.get("one")).state is TaskState.RUNNING
 
 
+async def test_a_fresh_claim_takes_only_tasks_nobody_ran(store: Store) -> None:
+    """``fresh=True`` claims a new task, refuses one with an entry (a second slot, a retry), which the general claim takes."""
+    await publish(store, task("new"), task("two", options={"concurrency": 2}))
+    fresh = await store.claim("w1", key="new", fresh=True)
+    assert fresh is not None and fresh.task.state is TaskState.RUNNING and fresh.entry.attempt == 1
+    assert await store.claim("w1", key="two", fresh=True) is not None
+    assert await store.claim("w2", key="two", fresh=True) is None
+    assert await store.claim("w2", key="two") is not None
+    many = await store.claim_many("w3", ["new", "two"], fresh=True)
+    assert many.claims == []
+
+
 async def test_concurrency_admits_that_many_distinct_workers(store: Store) -> None:
     """concurrency=3 lets exactly 3 of 6 racing workers claim."""
     await publish(store, task("three", options={"concurrency": 3}))

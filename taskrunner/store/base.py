@@ -169,15 +169,30 @@ class Store(Protocol):
         anyone's renewals; ``after`` of the page is None unless ``limit`` was reached."""
 
     async def claim(
-        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        *,
+        key: str | None = None,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claim | None:
-        """Atomically claim ``key`` (or the best claimable task) for ``worker_id``."""
+        """Atomically claim ``key`` (or the best claimable task) for ``worker_id``.
+
+        ``fresh``: claim only a task nobody ran yet (PENDING, no entries), for a key the
+        caller saw that way; it is the cheapest claim, and a task that changed since is
+        refused, left to the caller's next look at it."""
 
     async def claim_many(
-        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        keys: Sequence[str],
+        *,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claimed:
         """Atomically claim, each on its own, every one of ``keys`` still claimable by
-        ``worker_id``, in at most two round trips (an update and a read back)."""
+        ``worker_id``, in at most two round trips (an update and a read back); ``fresh``
+        as for ``claim``."""
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         """Apply many runs' fenced writes in one round trip; one result per write.

@@ -197,7 +197,7 @@ def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
     return _due_for(worker_id, TaskState.PENDING.value, {"$size": 0}, *checks)
 
 
-def fresh_claim_update(worker_id: str, run_id: str) -> list[Expr]:
+def fresh_claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     """``claim_update`` plus ``summary_stages`` worked out for a task with no entries."""
     attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
     entry = new_entry(worker_id, run_id, attempts, [])

@@ -162,11 +162,18 @@ class MemoryStore:
         return replace(page, after="" if len(docs) >= limit else None)
 
     async def claim(
-        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        *,
+        key: str | None = None,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claim | None:
-        return self._claim(worker_id, key, names)
+        return self._claim(worker_id, key, names, fresh)
 
-    def _claim(self, worker_id: str, key: str | None, names: Sequence[str] | None) -> Claim | None:
+    def _claim(
+        self, worker_id: str, key: str | None, names: Sequence[str] | None, fresh: bool
+    ) -> Claim | None:
         now = self._clock()
         docs = self._docs.values() if key is None else [d for d in [self._docs.get(key)] if d is not None]
         eligible = [
@@ -174,6 +181,7 @@ class MemoryStore:
             for d in docs
             if (key is None or d.get(f.KEY) == key)
             and (names is None or d.get(f.NAME) in names)
+            and (not fresh or rules.fresh(d))
             and rules.claimable_by(d, worker_id, now)
         ]
         if not eligible:
@@ -194,13 +202,18 @@ class MemoryStore:
             raise
 
     async def claim_many(
-        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        keys: Sequence[str],
+        *,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claimed:
         claims: list[Claim] = []
         rejected: list[MalformedTask] = []
         for key in dict.fromkeys(keys):
             try:
-                claim = self._claim(worker_id, key, names)
+                claim = self._claim(worker_id, key, names, fresh)
             except MalformedTask as exc:
                 rejected.append(exc)
                 continue

@@ -272,7 +272,12 @@ class MongoStore:
         return Page(page.tasks, page.unreadable, "" if len(docs) >= limit else None)
 
     async def claim(
-        self, worker_id: str, *, key: str | None = None, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        *,
+        key: str | None = None,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claim | None:
         scope: Doc = {}
         if key is not None:
@@ -280,21 +285,15 @@ class MongoStore:
         if names is not None:
             scope[f.NAME] = {"$in": list(names)}
         run_id = uuid.uuid4().hex
+        # One command either way: a fresh claim is the small update (a third of the
+        # server's work on a look-alike that interprets expressions), never followed by the
+        # general one when it misses: a miss means the task changed, and the caller looks again.
+        query = x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)
+        update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
         with mapped_errors():
-            doc = None
-            if key is not None:  # most claims take a task nobody ran yet: the small update first
-                doc = await self.collection.find_one_and_update(
-                    {**x.fresh_claim_filter(worker_id), **scope},
-                    x.fresh_claim_update(worker_id, run_id),
-                    return_document=ReturnDocument.AFTER,
-                )
-            if doc is None:
-                doc = await self.collection.find_one_and_update(
-                    {**x.claim_filter(worker_id), **scope},
-                    x.claim_update(worker_id, run_id),
-                    sort=CLAIM_SORT,
-                    return_document=ReturnDocument.AFTER,
-                )
+            doc = await self.collection.find_one_and_update(
+                {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+            )
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
@@ -304,14 +303,23 @@ class MongoStore:
             raise
 
     async def claim_many(
-        self, worker_id: str, keys: Sequence[str], *, names: Sequence[str] | None = None
+        self,
+        worker_id: str,
+        keys: Sequence[str],
+        *,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> Claimed:
         keys = list(dict.fromkeys(keys))
         run_ids = [uuid.uuid4().hex for _ in keys]
-        query = {**x.claim_filter(worker_id), f.KEY: {"$in": keys}}
+        run_id = x.run_id_by_key(keys, run_ids)
+        query = {
+            **(x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)),
+            f.KEY: {"$in": keys},
+        }
         if names is not None:
             query[f.NAME] = {"$in": list(names)}
-        update = x.claim_update(worker_id, x.run_id_by_key(keys, run_ids))
+        update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
         with mapped_errors():
             if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
                 return Claimed([], [])
