@@ -17,7 +17,9 @@ import pytest
 from pymongo import ReturnDocument
 
 from taskrunner import MongoStore, NewTask
+from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
+from taskrunner.store.base import RunWrite
 
 pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]
@@ -103,3 +105,63 @@ async def test_a_task_with_entries_is_left_to_the_general_claim(store: MongoStor
     assert second is not None and [w.worker_id for w in second.task.workers] == ["w1", "w2"]
     assert second.task.claimable_at is not None
     assert second.task.claimable_at >= second.task.run_at + timedelta(seconds=0)
+
+
+SUCCESS_VARIANTS: dict[str, dict[str, Any]] = {
+    "one slot": {},
+    "two slots": {"concurrency": 2},
+    "canceled while running": {"cancel": True},
+    "retried before": {"attempts": 2},
+}
+
+
+@pytest.mark.parametrize("variant", list(SUCCESS_VARIANTS), ids=list(SUCCESS_VARIANTS))
+async def test_quick_success_agrees_with_the_pipeline(store: MongoStore, variant: str) -> None:
+    """The plain-operator success writes what the pipeline writes, or matches nothing (the pipeline's cases)."""
+    spec = SUCCESS_VARIANTS[variant]
+    await publish_pair(store, {k: v for k, v in spec.items() if k != "cancel"})
+    runs = {k: await store.claim("w1", key=k) for k in ("a", "b")}
+    if spec.get("cancel"):
+        for k in runs:
+            await store.cancel(k)
+    a, b = runs["a"], runs["b"]
+    assert a is not None and b is not None
+    result = {"rows": [1, {"n": None}], "ok": True}
+    query, update, array_filters = x.quick_success("a", a.run_id, result)
+    quick = await store.collection.update_one(query, update, array_filters=array_filters)
+    await store.collection.update_one(x.entry_filter("b", b.run_id), x.success_update(b.run_id, result))
+    if variant in ("one slot", "retried before"):
+        assert quick.modified_count == 1
+        docs = [await store.collection.find_one({"key": k}) for k in ("a", "b")]
+        assert comparable(_same_run(docs[0], docs[1])) == comparable(docs[1])
+    else:
+        assert quick.matched_count == 0
+
+
+def _same_run(doc: Doc | None, like: Doc | None) -> Doc | None:
+    """``doc`` with the run_id of ``like`` (each claim drew its own)."""
+    assert doc is not None and like is not None
+    doc["workers"][0]["run_id"] = like["workers"][0]["run_id"]
+    return doc
+
+
+@pytest.mark.parametrize("result", [{"ok": 1}, {"$weird": {"a.b": 1}}], ids=["plain", "dollar and dot keys"])
+async def test_write_runs_lands_every_outcome_the_quick_path_refuses(store: MongoStore, result: Any) -> None:
+    """One-slot, two-slot (one more run due) and canceled tasks all record their success through write_runs."""
+    await store.publish(
+        [NewTask.build(key="one", name="job"), NewTask.build(key="two", name="job", options={"concurrency": 2}),
+         NewTask.build(key="gone", name="job")]
+    )  # fmt: skip
+    claims = {k: await store.claim("w1", key=k) for k in ("one", "two", "gone")}
+    await store.cancel("gone")
+    writes = [RunWrite("success", k, c.run_id, "w1", result) for k, c in claims.items() if c is not None]
+    assert await store.write_runs(writes) == [RunStatus.DONE] * 3
+    states = {k: (await store.get(k)) for k in claims}
+    assert {k: t.state.value for k, t in states.items()} == {
+        "one": "SUCCESS",
+        "two": "PENDING",
+        "gone": "CANCELED",
+    }
+    assert all(
+        t.workers[0].state.value == "SUCCESS" and t.workers[0].result == result for t in states.values()
+    )

@@ -339,12 +339,28 @@ class MongoStore:
         return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
+        quick = [w.kind == "success" and x.storable_as_is(w.value) for w in writes]
+        results, owned = await self._write_runs(writes, quick)
+        # A quick success refused while its run still owns its entry is the uncommon case
+        # (canceled, several slots): the pipeline writes it, one more round trip.
+        again = [i for i, q in enumerate(quick) if q and i in owned]
+        if again:
+            retried, _ = await self._write_runs([writes[i] for i in again], [False] * len(again))
+            for i, result in zip(again, retried, strict=True):
+                results[i] = result
+        return results
+
+    async def _write_runs(
+        self, writes: Sequence[RunWrite], quick: list[bool]
+    ) -> tuple[list[RunResult], set[int]]:
+        """Results, and which writes that did not land still own a RUNNING entry."""
         if not writes:
-            return []
+            return [], set()
         errors: dict[int, StoreError] = {}
+        ops = [self._run_op(w, q) for w, q in zip(writes, quick, strict=True)]
         try:
             with mapped_errors():
-                result = await self.collection.bulk_write([self._run_op(w) for w in writes], ordered=False)
+                result = await self.collection.bulk_write(ops, ordered=False)
             matched = result.matched_count
         except StoreError as exc:
             cause = exc.__cause__
@@ -353,11 +369,14 @@ class MongoStore:
             matched = cause.details.get("nMatched", 0)
             errors = {e["index"]: _write_error(e) for e in cause.details.get("writeErrors", [])}
         if matched + len(errors) == len(writes):
-            return [errors.get(i, RunStatus.DONE) for i in range(len(writes))]
+            return [errors.get(i, RunStatus.DONE) for i in range(len(writes))], set()
         return await self._resolve(writes, matched, errors)
 
     @staticmethod
-    def _run_op(write: RunWrite) -> UpdateOne:
+    def _run_op(write: RunWrite, quick: bool = False) -> UpdateOne:
+        if quick:
+            query, plain, array_filters = x.quick_success(write.key, write.run_id, write.value)
+            return UpdateOne(query, plain, array_filters=array_filters)
         if write.kind == "ping":
             filter_ = x.renewal_filter(write.key, write.run_id, write.worker_id)
             return UpdateOne(filter_, x.ping_update(write.run_id, write.value))
@@ -367,8 +386,9 @@ class MongoStore:
 
     async def _resolve(
         self, writes: Sequence[RunWrite], matched: int, errors: dict[int, StoreError]
-    ) -> list[RunResult]:
-        """Some writes matched nothing: read the documents back to tell which, and why."""
+    ) -> tuple[list[RunResult], set[int]]:
+        """Some writes matched nothing: read the documents back to tell which, and why;
+        also which outcomes that did not land still own their RUNNING entry."""
         fields = [f.KEY, f.STATE, f.opt(f.WORKER_IDS), f"{f.WORKERS}.{f.RUN_ID}", f"{f.WORKERS}.{f.STATE}"]
         with mapped_errors():
             cursor = self.collection.find(
@@ -390,7 +410,11 @@ class MongoStore:
             # a renewal among them cannot be shown to have landed now.
             results = [RunStatus.UNCONFIRMED if r is RunStatus.DONE and w.kind == "ping" else r
                        for r, w in zip(results, writes, strict=True)]  # fmt: skip
-        return results
+        owned = {
+            i for i, (r, w) in enumerate(zip(results, writes, strict=True))
+            if r is RunStatus.LOST and w.kind != "ping" and rules.running_entry(docs.get(w.key) or {}, w.run_id)
+        }  # fmt: skip
+        return results, owned
 
     async def _reject(self, doc_id: Any, run_id: str, exc: MalformedTask) -> None:
         """Record a claimed but unreadable document as this run's failure, so it cannot loop."""
