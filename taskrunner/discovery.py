@@ -56,10 +56,18 @@ class Discovery:
         self.polling = polling
         """True while the worker finds work by sweeps alone (by choice, or the stream fails)."""
         self.by_choice = polling
+        self.owned: Mapping[str, Sequence[int]] | None = None
+        """Buckets whose inserts the stream hears, per name (None: all; see ``listen``)."""
         self._token: Mapping[str, Any] | None = None
         self._failures = 0
         self._stream_failures = 0
         self._reported: dict[str | None, str] = {}
+
+    def listen(self, owned: Mapping[str, Sequence[int]] | None) -> None:
+        """Hear the inserts of these buckets from now on: the stream reopens with them after
+        its current wait, resuming where it was, so no event is lost in between (an insert
+        heard by the old owner meanwhile is an orphan its sweeps find)."""
+        self.owned = owned
 
     def on_event(self, event: ChangeEvent) -> None:
         if event.task is not None:
@@ -96,15 +104,17 @@ class Discovery:
                 await self._degrade(stop, exc)
 
     async def _stream(self, stop: asyncio.Event) -> None:
-        stream = await self.store.watch(resume_after=self._token, work_for=self.names)
+        owned = self.owned
+        stream = await self.store.watch(resume_after=self._token, work_for=self.names, owned=owned)
         try:
+            self._recovered()  # the server answered the aggregate that opened the stream
             if self._token is None:
                 self.sweep_at(None)  # what was written while no stream was open
-            self._opened()
-            while not stop.is_set():
+            while not stop.is_set() and self.owned == owned:
                 event = await stream.next(STREAM_WAIT)
+                # Opening is not enough: a server may accept the stream and fail every getMore.
+                self._opened()
                 self._token = stream.resume_token
-                self._recovered()
                 if event is not None:
                     self.on_event(event)
         finally:

@@ -16,6 +16,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
       claimable_at,    # earliest time a new worker may claim; absent when finished
       finished_at,     # when the task reached SUCCESS, FAIL or CANCELED (TTL retention)
       publish_id,      # id of the publish call that wrote this version
+      bucket,          # 0..BUCKETS-1, a hash of the key: whose stream hears the insert
     }
 
 Durations inside ``options`` are seconds (numbers); see docs/schema.md.
@@ -44,6 +45,11 @@ FAILURES: Final = "failures"
 ATTEMPTS: Final = "attempts"
 CLAIMABLE_AT: Final = "claimable_at"
 PUBLISH_ID: Final = "publish_id"
+BUCKET: Final = "bucket"
+BUCKETS: Final = 1024
+"""Tasks spread over this many buckets; each worker's change stream hears the inserts of
+the buckets it owns (rendezvous hashing over the live workers), so an insert reaches one
+worker, not all. A missing or out-of-range ``bucket`` is heard by every worker."""
 
 # -- options sub-document -----------------------------------------------------
 CONCURRENCY: Final = "concurrency"

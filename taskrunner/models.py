@@ -73,6 +73,15 @@ def to_utc(value: object) -> object:
 Seconds = Annotated[float, BeforeValidator(to_seconds)]
 UtcDatetime = Annotated[datetime, BeforeValidator(to_utc)]
 
+
+def _bucket(value: Any) -> int | None:
+    # Only routing: a hand-written or foreign bucket never makes a document unreadable.
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < f.BUCKETS
+    return value if ok else None
+
+
+Bucket = Annotated[int | None, BeforeValidator(_bucket)]
+
 DAY = 86_400.0
 MAX_KEY_LENGTH = 512
 MAX_PARAMS_BYTES = 15 * 1024 * 1024  # MongoDB's 16 MiB document limit, less room for the rest
@@ -238,6 +247,8 @@ class Task(BaseModel):
     attempts: int = 0
     claimable_at: UtcDatetime | None = None
     finished_at: UtcDatetime | None = None
+    bucket: Bucket = None
+    """Which worker's stream hears the insert (``fields.BUCKETS``); None when missing or out of range."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 

@@ -9,7 +9,8 @@ null or not a date never matches.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -268,7 +269,33 @@ def new_document(task: NewTask, publish_id: str) -> Doc:
         f.ATTEMPTS: 0,
         f.CLAIMABLE_AT: None,
         f.PUBLISH_ID: publish_id,
+        f.BUCKET: bucket_of(task.key),
     }
+
+
+def bucket_of(key: str) -> int:
+    """A task's bucket: a hash of its key, so a republished key keeps its bucket. Any
+    integer in range works (a publisher in another language may pick one at random)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % f.BUCKETS
+
+
+def in_bucket_range(value: object) -> bool:
+    """Is ``value`` a number in ``[0, BUCKETS)``, as ``{$gte: 0, $lt: BUCKETS}`` judges?"""
+    number = _num(value)
+    return number is not None and 0 <= number < f.BUCKETS
+
+
+def hears_insert(doc: Doc, names: Collection[str], owned: Mapping[str, Collection[int]] | None) -> bool:
+    """Does a worker for ``names`` that owns the buckets ``owned`` (per name; a name not
+    there: every bucket) hear this new document? (``expressions.work_match`` on inserts.)
+    A name that is not a string, or a bucket out of range, is heard by every worker."""
+    name = doc.get(f.NAME)
+    if not isinstance(name, str):
+        return True
+    if name not in names:
+        return False
+    bucket = doc.get(f.BUCKET)
+    return owned is None or name not in owned or not in_bucket_range(bucket) or bucket in owned[name]
 
 
 def updatable(doc: Doc) -> bool:

@@ -14,7 +14,7 @@ import asyncio
 import heapq
 from dataclasses import dataclass
 
-Rank = tuple[int, int, float]
+Rank = tuple[int, int, int, float]
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -22,7 +22,10 @@ class Due:
     at: float
     """Server-clock POSIX time the key becomes claimable."""
     rank: Rank
-    """(0 if the task names this worker else 1, -priority, created_at): lower first."""
+    """(0 if the task names this worker else 1, -priority, 0 if it is a takeover else 1,
+    created_at): lower first. A takeover (an expired lease) goes before new tasks of its
+    priority, as a stalled job does in BullMQ: its run was already under way, and a batch
+    published together shares one created_at, so it would otherwise wait for the batch."""
     key: str
     fresh: bool = False
     """Nobody had run the task when it was queued: claimed with the small update."""

@@ -26,7 +26,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import UTC, datetime
@@ -38,6 +38,7 @@ from taskrunner import __version__, rules
 from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
+from taskrunner.fields import BUCKETS
 from taskrunner.heartbeat import Heartbeat
 from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
@@ -59,8 +60,24 @@ SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, 
 SWEEP_LIMIT = 100  # tasks one sweep reads
 
 
-def _hash(key: str, worker_id: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest()
+def _hash(token: str, worker_id: str) -> bytes:
+    return hashlib.blake2b(f"{token}\0{worker_id}".encode(), digest_size=8).digest()
+
+
+def _token(task: Task) -> str:
+    """What ownership is decided on: the task's bucket (so the worker whose stream hears
+    the insert is the one that claims it), or its key when it has no usable bucket."""
+    return f"\0bucket{task.bucket}" if task.bucket is not None else task.key
+
+
+def owned_buckets(worker_id: str, peers: Sequence[str]) -> list[int]:
+    """The buckets ``worker_id`` owns among ``peers`` (rendezvous hashing: each bucket goes
+    to the worker with the smallest hash; a worker joining or leaving moves only its share)."""
+    candidates = [*peers, worker_id]
+    return [
+        b for b in range(BUCKETS)
+        if min(candidates, key=lambda w: _hash(f"\0bucket{b}", w)) == worker_id
+    ]  # fmt: skip
 
 
 def default_worker_id() -> str:
@@ -118,6 +135,7 @@ class Worker:
         self.started_at = datetime.now(UTC)
         self.peers: list[WorkerInfo] = []
         self._peers_known = asyncio.Event()
+        self._owned_cache: dict[tuple[str, ...], list[int]] = {}
         self._sweep_due: float | None = None
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
         self.batch = max(1, batch)
@@ -142,7 +160,7 @@ class Worker:
     def keyless(self) -> None:
         """Queue one claim without a key: the server picks the best claimable task, which
         reaches documents no model reads (they are recorded as failed runs, never run)."""
-        self.queue.put(KEYLESS, self.clock.now(), (1, 0, 0.0))
+        self.queue.put(KEYLESS, self.clock.now(), (1, 0, 0, 0.0))
 
     def sweep_at(self, when: datetime | float | None) -> None:
         """Sweep at ``when`` (server time; None: now) unless a sweep comes sooner."""
@@ -162,7 +180,8 @@ class Worker:
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
         if mine or self.owns(task) or (steal and when + ORPHAN_GRACE <= self.clock.now()):
-            rank = (0 if mine else 1, -task.priority, task.created_at.timestamp())
+            takeover = 0 if task.state is TaskState.RUNNING else 1
+            rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
             self.queue.put(task.key, when, rank, fresh=fresh)
             return True
@@ -173,7 +192,8 @@ class Worker:
         registry) that handle the task's name; 0 is the task's owner. Every worker computes
         the same order, so one claims and the others never try, whatever events reach them."""
         candidates = [p.worker_id for p in self.peers if task.name in p.names] + [self.worker_id]
-        return sorted(candidates, key=lambda w: _hash(task.key, w)).index(self.worker_id)
+        token = _token(task)
+        return sorted(candidates, key=lambda w: _hash(token, w)).index(self.worker_id)
 
     def owns(self, task: Task) -> bool:
         return self.rank(task) == 0
@@ -249,15 +269,17 @@ class Worker:
         return taken
 
     async def _wait_due(self) -> list[Due]:
-        """Due claim-queue entries, best first; or the sweep marker when no key is due but the sweep is."""
+        """The sweep marker when the sweep is due; else due claim-queue entries, best first."""
         while not self._stop.is_set():
             self.queue.changed.clear()
             now = self.clock.now()
+            # The sweep goes first when it is due, even with keys of its own due: it is what
+            # finds expired leases, which must not wait until this worker's backlog drains.
+            if self._sweep_due is not None and self._sweep_due <= now:
+                return [Due(self._sweep_due, (2, 0, 0, 0.0), SWEEP)]
             due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
-            if self._sweep_due is not None and self._sweep_due <= now:
-                return [Due(self._sweep_due, (2, 0, 0.0), SWEEP)]
             times = [t for t in (self.queue.next_at(), self._sweep_due) if t is not None]
             wait = max(0.0, min(times) - now) if times else None
             with suppress(TimeoutError):
@@ -325,11 +347,12 @@ class Worker:
         self._claims.ok()
         before = len(self.queue)
         others = [t for t in page.tasks if not self.consider(t)]
-        # Orphans: at most as many as there are free slots, those this worker ranks highest
-        # for first, so idle sweepers spread over them instead of all taking the same ones.
+        # Orphans: at most as many as there are free slots; takeovers first, then those this
+        # worker ranks highest for, so idle sweepers spread over them instead of colliding.
         budget = max(1, self.concurrency - len(self.runs))
-        for task in sorted(others, key=self.rank)[:budget]:
-            self.consider(task, steal=True)
+        order = sorted(others, key=lambda t: (t.state is not TaskState.RUNNING, self.rank(t)))
+        stolen = [task.key for task in order[:budget] if self.consider(task, steal=True)]
+        self.log.debug("swept", read=len(page.tasks), queued=len(self.queue) - before, stolen=stolen)
         for bad in page.unreadable:
             self.discovery.report(bad.key, bad.problem, repeat=False)
         if page.unreadable:
@@ -348,6 +371,7 @@ class Worker:
         changed by someone else (leave them to events and sweeps: retrying a taken task
         would cost a command per try for nothing)."""
         now = self.clock.now()
+        self.log.debug("claim missed", keys=[entry.key for entry in due])
         for entry in due:
             misses = self._misses.get(entry.key, 0) + 1
             if misses > MAX_MISSES or entry.at + ORPHAN_GRACE <= now:
@@ -414,11 +438,27 @@ class Worker:
                     self.stop()
                     return
                 self.peers = [p for p in await self.store.workers() if p.worker_id != self.worker_id]
+                self.discovery.listen(self._owned())
                 self._beats.ok()
             except StoreError as exc:
                 self._beats.failed(exc)
             self._peers_known.set()
             await asyncio.sleep(self.beat_interval * random.uniform(0.9, 1.1))
+
+    def _owned(self) -> dict[str, list[int]] | None:
+        """Per name, the buckets this worker owns among the live peers that handle it;
+        names it handles alone are left out (all buckets), and None when that is every name."""
+        owned: dict[str, list[int]] = {}
+        for name in sorted(self.names):
+            peers = tuple(sorted(p.worker_id for p in self.peers if name in p.names))
+            if not peers:
+                continue
+            if peers not in self._owned_cache:
+                if len(self._owned_cache) >= 64:  # peers churned: keep only what is current
+                    self._owned_cache = {}
+                self._owned_cache[peers] = owned_buckets(self.worker_id, peers)
+            owned[name] = self._owned_cache[peers]
+        return owned or None
 
     async def _shutdown(self) -> None:
         running = [task for _, task in self.runs.values()]

@@ -19,9 +19,9 @@ from taskrunner.worker import Worker
 def test_queue_keeps_one_entry_per_key_in_time_order() -> None:
     """Re-scheduling a key replaces its entry; due() lists due keys best rank first."""
     queue = ClaimQueue()
-    queue.put("a", 5.0, (1, 0, 0.0))
-    queue.put("b", 3.0, (1, 0, 0.0))
-    queue.put("a", 1.0, (1, -5, 0.0))
+    queue.put("a", 5.0, (1, 0, 1, 0.0))
+    queue.put("b", 3.0, (1, 0, 1, 0.0))
+    queue.put("a", 1.0, (1, -5, 1, 0.0))
     assert len(queue) == 2 and queue.next_at() == 1.0
     assert [d.key for d in queue.due(4.0)] == ["a", "b"]
     queue.discard("a")
@@ -32,7 +32,7 @@ def test_queue_overflow_evicts_the_farthest_and_flags_a_rescan() -> None:
     """Past capacity the farthest keys go and the queue asks for a rescan; the nearest stay."""
     queue = ClaimQueue(capacity=10)
     for i in range(11):
-        queue.put(f"k{i}", float(i), (1, 0, 0.0))
+        queue.put(f"k{i}", float(i), (1, 0, 1, 0.0))
     assert queue.overflowed and len(queue) == 9
     assert [d.key for d in queue.due(100.0)] == [f"k{i}" for i in range(9)]
 
@@ -87,7 +87,7 @@ class NoStreams(MemoryStore):
     """A store whose server has no change streams, like a standalone mongod."""
 
     async def watch(
-        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None
+        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None, owned: Any = None
     ) -> ChangeStream:
         raise ChangeStreamsUnsupported("$changeStream is only supported on replica sets")
 
@@ -139,12 +139,12 @@ class ForgetfulStore(MemoryStore):
     lost = False
 
     async def watch(
-        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None
+        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None, owned: Any = None
     ) -> ChangeStream:
         if resume_after is not None and not self.lost:
             self.lost = True
             self._events.clear()
-        return await super().watch(resume_after=resume_after, key=key, work_for=work_for)
+        return await super().watch(resume_after=resume_after, key=key, work_for=work_for, owned=owned)
 
 
 async def test_lost_history_leads_to_a_sweep_and_no_stranded_task() -> None:

@@ -58,8 +58,9 @@ async def publish_pair(store: MongoStore, variant: dict[str, Any]) -> None:
 
 
 def comparable(doc: Doc | None) -> Any:
-    """The document without its identity, each time as its offset from the document's
-    ``run_at`` in whole seconds (the two writes are milliseconds apart)."""
+    """The document without its identity (and its bucket, which follows from the key),
+    each time as its offset from the document's ``run_at`` in whole seconds (the two
+    writes are milliseconds apart)."""
     if doc is None:
         return None
     anchor = doc["run_at"]
@@ -68,7 +69,7 @@ def comparable(doc: Doc | None) -> Any:
         if isinstance(value, datetime):
             return round((value - anchor).total_seconds())
         if isinstance(value, dict):
-            return {k: norm(v) for k, v in value.items() if k not in ("_id", "key", "publish_id")}
+            return {k: norm(v) for k, v in value.items() if k not in ("_id", "key", "bucket", "publish_id")}
         if isinstance(value, list):
             return [norm(v) for v in value]
         return value

@@ -22,6 +22,7 @@ from taskrunner import (
     TaskError,
     TaskNotFound,
     TaskState,
+    rules,
 )
 from taskrunner.models import WorkerInfo
 from taskrunner.rules import RunStatus
@@ -397,6 +398,22 @@ async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_
     assert wake.wake_at is not None and wake.wake_at >= (await store.get("a")).run_at - timedelta(seconds=1)
 
 
+async def test_a_stream_for_some_buckets_hears_only_their_inserts(store: Store, raw_insert: Raw) -> None:
+    """With ``owned`` buckets per name, inserts of that name in other buckets never arrive;
+    names not in ``owned``, and documents whose bucket is missing or out of range, always do."""
+    keys = [f"k{i}" for i in range(40)]
+    mine = {rules.bucket_of(k) for k in keys[:20]} - {rules.bucket_of(k) for k in keys[20:]}
+    stream = await store.watch(work_for=["job", "mail"], owned={"job": sorted(mine)})
+    await publish(store, *(task(k) for k in keys), task("m", name="mail"))
+    await raw_insert({"key": "nobucket", "name": "job", "params": {}})
+    await raw_insert({"key": "outofrange", "name": "job", "params": {}, "bucket": 5000})
+    heard = await next_events(stream, len([k for k in keys if rules.bucket_of(k) in mine]) + 3)
+    assert await stream.next(0.3) is None
+    await stream.close()
+    expected = [k for k in keys if rules.bucket_of(k) in mine] + ["m", "nobucket", "outofrange"]
+    assert [e.key for e in heard] == expected and len(expected) > 3
+
+
 async def test_a_release_and_a_retry_wake_a_workers_stream(store: Store) -> None:
     """Giving a claim back and retrying a failed task each make the task claimable: both wake."""
     await publish(store, task("r", options={"max_failures": 1}), task("f", options={"max_failures": 1}))
@@ -432,6 +449,21 @@ async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store
     assert "mine" in [
         t.key for t in (await store.due("w2", ["job"], horizon=now + timedelta(seconds=40))).tasks
     ]
+
+
+async def test_due_lists_expired_leases_before_a_backlog_of_older_new_tasks(store: Store) -> None:
+    """A takeover's claimable_at (its lease expiry) is later than a backlog's, yet the sweep
+    lists RUNNING tasks first, each state earliest first and up to ``limit`` of each."""
+    await publish(store, task("crashed", options={"ping_interval": 0.2, "ping_timeout": 0.5}))
+    claim = await store.claim("w9", key="crashed")
+    assert claim is not None
+    await publish(store, *(task(f"new{i}") for i in range(3)))
+    await asyncio.sleep(0.8)
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now, limit=2)
+    assert [t.key for t in page.tasks] == ["crashed", "new0", "new1"] and page.after is not None
+    page = await store.due("w1", ["job"], horizon=now)
+    assert [t.key for t in page.tasks] == ["crashed", "new0", "new1", "new2"] and page.after is None
 
 
 async def test_memory_watch_reports_lost_history() -> None:

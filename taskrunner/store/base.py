@@ -8,6 +8,7 @@ token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -113,6 +114,15 @@ def page_of(docs: Sequence[dict[str, Any]], limit: int) -> Page:
     return Page(tasks, unreadable, keys[-1] if keys else "")
 
 
+def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
+    """A sweep's page: RUNNING then PENDING tasks, at most ``limit`` of each; ``after`` is
+    set (to "") when either reached ``limit``, so the worker sweeps again at once."""
+    page = page_of(docs, len(docs) + 1)
+    states = Counter(doc.get(f.STATE) for doc in docs)
+    full = any(n >= limit for n in states.values())
+    return Page(page.tasks, page.unreadable, "" if full else None)
+
+
 class ChangeStream(Protocol):
     """An open stream of change events. Open it before scanning, so nothing written
     during the scan is missed (the seed's discovery order)."""
@@ -164,9 +174,11 @@ class Store(Protocol):
     async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
         """The sweep: unfinished tasks of ``names`` claimable by ``horizon`` (server time),
         allowed for ``worker_id`` and not already run or being run by it, earliest
-        ``claimable_at`` first, at most ``limit``, through the claim index. It finds new
+        ``claimable_at`` first, through the claim index. It finds new
         tasks nobody claimed, retries and expired leases (takeovers) without following
-        anyone's renewals; ``after`` of the page is None unless ``limit`` was reached."""
+        anyone's renewals; ``after`` of the page is None unless ``limit`` was reached.
+        Expired leases come first: RUNNING tasks, then PENDING ones, at most ``limit`` of
+        each, so a takeover never waits behind a backlog of new tasks."""
 
     async def claim(
         self,
@@ -247,10 +259,13 @@ class Store(Protocol):
         resume_after: Mapping[str, Any] | None = None,
         key: str | None = None,
         work_for: Sequence[str] | None = None,
+        owned: Mapping[str, Sequence[int]] | None = None,
     ) -> ChangeStream:
         """Open a stream of change events in commit order (only ``key``'s if given),
         resumable from a token. ``work_for`` (task names) makes it a worker's stream:
-        only inserts of those names and wakes (``rules.wakes``), filtered by the server.
+        only inserts of those names and wakes (``rules.wakes``), filtered by the server;
+        ``owned`` narrows the inserts of a name to the buckets listed for it
+        (``rules.hears_insert``). Resuming with other ``owned`` buckets loses nothing.
 
         Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
         ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""

@@ -9,6 +9,7 @@ expression, hence ``{$eq: [expr, false]}``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from taskrunner import fields as f
@@ -242,13 +243,15 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     return {"$arrayElemAt": [{"$literal": run_ids}, position]}
 
 
-def due_filter(worker_id: str, names: list[str], horizon: Any) -> dict[str, Any]:
+def due_filter(
+    worker_id: str, names: list[str], horizon: Any, states: Sequence[str] = ACTIVE
+) -> dict[str, Any]:
     """``rules.sweepable``: what a worker's sweep reads, through the claim index (state,
     claimable_at). ``horizon`` is a date (the worker's estimate of server time plus how
     far ahead it looks): it only bounds the scan; every claim re-checks at ``$$NOW``."""
     mine = {f.WORKER_ID: worker_id, f.STATE: {"$in": [EntryState.RUNNING.value, EntryState.SUCCESS.value]}}
     return {
-        f.STATE: {"$in": list(ACTIVE)},
+        f.STATE: {"$in": list(states)},
         f.CLAIMABLE_AT: {"$lte": horizon},
         f.NAME: {"$in": names},
         "$or": _allowed(worker_id),
@@ -256,25 +259,47 @@ def due_filter(worker_id: str, names: list[str], horizon: Any) -> dict[str, Any]
     }
 
 
-def work_match(names: list[str]) -> dict[str, Any]:
+def due_pipeline(
+    collection: str, worker_id: str, names: list[str], horizon: Any, limit: int
+) -> list[dict[str, Any]]:
+    """The sweep as one aggregate: RUNNING tasks (expired leases: takeovers) first, then
+    PENDING ones, each the earliest ``limit`` by ``claimable_at`` through the claim index.
+    Two ranges instead of one sort on claimable_at, because a takeover's claimable_at (its
+    lease expiry) is later than a whole backlog's: it would wait until the backlog drained."""
+
+    def branch(state: str) -> list[dict[str, Any]]:
+        match = due_filter(worker_id, names, horizon, (state,))
+        return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
+
+    pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
+    return [*branch(TaskState.RUNNING.value), pending]
+
+
+def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """The ``$match`` of a worker's change stream: only changes that can give it work.
 
-    New tasks of its names (inserts, and replacements, which carry the whole document),
-    and updates that ``rules.wakes`` (judged from ``updateDescription.updatedFields``, so
-    the server filters before any lookup). Claims, lease renewals and outcomes of other
-    workers never reach it.
+    New tasks of its names (inserts, and replacements, which carry the whole document)
+    in the buckets it owns (``owned``, per name; a name not there: every bucket), and
+    updates that ``rules.wakes`` (judged from ``updateDescription.updatedFields``, so the
+    server filters before any lookup). Claims, lease renewals and outcomes of other
+    workers never reach it, nor do other workers' new tasks. ``rules.hears_insert`` is
+    the same judgement in Python.
     """
     changed = "updateDescription.updatedFields"
+    new = {"operationType": {"$in": ["insert", "replace"]}}
+    name, bucket = f"fullDocument.{f.NAME}", f"fullDocument.{f.BUCKET}"
+    # A name that is not a string belongs to no worker, a bucket out of range to none:
+    # every worker hears of those (and names the problem, or claims what it may).
+    inserts: list[dict[str, Any]] = [{**new, name: {"$not": {"$type": "string"}}}]
+    whole = [n for n in names if owned is None or n not in owned]
+    if whole:
+        inserts.append({**new, name: {"$in": whole}})
+    unrouted = {bucket: {"$not": {"$gte": 0, "$lt": f.BUCKETS}}}
+    for buckets, group in _by_buckets(names, owned or {}):
+        inserts.append({**new, name: {"$in": group}, "$or": [{bucket: {"$in": buckets}}, unrouted]})
     return {
         "$or": [
-            # A name that is not a string belongs to no worker: every worker hears of it and names the problem.
-            {
-                "operationType": {"$in": ["insert", "replace"]},
-                "$or": [
-                    {f"fullDocument.{f.NAME}": {"$in": names}},
-                    {f"fullDocument.{f.NAME}": {"$not": {"$type": "string"}}},
-                ],
-            },
+            *inserts,
             {"operationType": "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
             {
                 "operationType": "update",
@@ -283,6 +308,15 @@ def work_match(names: list[str]) -> dict[str, Any]:
             },
         ]
     }
+
+
+def _by_buckets(names: list[str], owned: Mapping[str, Sequence[int]]) -> list[tuple[list[int], list[str]]]:
+    """Names that own the same buckets, grouped, so the filter lists each bucket set once."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name in names:
+        if name in owned:
+            groups.setdefault(tuple(sorted(owned[name])), []).append(name)
+    return [(list(buckets), group) for buckets, group in groups.items()]
 
 
 def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:

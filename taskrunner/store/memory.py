@@ -32,6 +32,7 @@ from taskrunner.store.base import (
     Page,
     RunResult,
     RunWrite,
+    due_page,
     page_of,
 )
 
@@ -156,10 +157,13 @@ class MemoryStore:
         return page if page.after is None else replace(page, after=keys[-1])
 
     async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
-        docs = [d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)]
-        docs.sort(key=lambda d: d[f.CLAIMABLE_AT])
-        page = page_of([_clone(d) for d in docs[:limit]], limit)
-        return replace(page, after="" if len(docs) >= limit else None)
+        docs = sorted(
+            (d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)),
+            key=lambda d: d[f.CLAIMABLE_AT],
+        )
+        running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
+        pending = [d for d in docs if d[f.STATE] == TaskState.PENDING.value][:limit]
+        return due_page([_clone(d) for d in running + pending], limit)
 
     async def claim(
         self,
@@ -347,8 +351,9 @@ class MemoryStore:
         resume_after: Mapping[str, Any] | None = None,
         key: str | None = None,
         work_for: Sequence[str] | None = None,
+        owned: Mapping[str, Sequence[int]] | None = None,
     ) -> ChangeStream:
-        stream = _MemoryChangeStream(self, self._position_after(resume_after), key, work_for)
+        stream = _MemoryChangeStream(self, self._position_after(resume_after), key, work_for, owned)
         stream.check_history()
         return stream
 
@@ -400,12 +405,18 @@ class MemoryStore:
 
 class _MemoryChangeStream:
     def __init__(
-        self, store: MemoryStore, position: int, key: str | None, work_for: Sequence[str] | None
+        self,
+        store: MemoryStore,
+        position: int,
+        key: str | None,
+        work_for: Sequence[str] | None,
+        owned: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self._store = store
         self._position = position
         self._key = key
         self._work_for = None if work_for is None else frozenset(work_for)
+        self._owned = None if owned is None else {name: frozenset(b) for name, b in owned.items()}
         self._closed = False
 
     @property
@@ -451,8 +462,7 @@ class _MemoryChangeStream:
     def _wanted(self, kind: EventKind, key: str | None, doc: Doc | None, changed: Doc | None) -> bool:
         if self._work_for is not None:  # the worker's stream (expressions.work_match)
             if kind in ("insert", "replace"):
-                name = None if doc is None else doc.get(f.NAME)
-                return doc is not None and (name in self._work_for or not isinstance(name, str))
+                return doc is not None and rules.hears_insert(doc, self._work_for, self._owned)
             return kind == "update" and changed is not None and rules.wakes(changed)
         return self._key is None or (doc is not None and key == self._key)
 

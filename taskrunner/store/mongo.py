@@ -47,6 +47,7 @@ from taskrunner.store.base import (
     Page,
     RunResult,
     RunWrite,
+    due_page,
     page_of,
 )
 from taskrunner.store.validator import json_schema
@@ -265,11 +266,10 @@ class MongoStore:
         return page_of(docs, limit)
 
     async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
-        query = x.due_filter(worker_id, list(names), horizon)
+        pipeline = x.due_pipeline(self.collection.name, worker_id, list(names), horizon, limit)
         with mapped_errors():
-            docs = await self.collection.find(query).sort(f.CLAIMABLE_AT, 1).limit(limit).to_list()
-        page = page_of(docs, limit)
-        return Page(page.tasks, page.unreadable, "" if len(docs) >= limit else None)
+            docs = await (await self.collection.aggregate(pipeline)).to_list()
+        return due_page(docs, limit)
 
     async def claim(
         self,
@@ -535,12 +535,13 @@ class MongoStore:
         resume_after: Mapping[str, Any] | None = None,
         key: str | None = None,
         work_for: Sequence[str] | None = None,
+        owned: Mapping[str, Sequence[int]] | None = None,
     ) -> ChangeStream:
         if work_for is not None:
             # A worker's stream: filtered by the server, no post-image lookups; it waits
             # long per getMore because an idle worker need not ask often.
             options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
-            pipeline = [{"$match": x.work_match(list(work_for))}]
+            pipeline = [{"$match": x.work_match(list(work_for), owned)}]
         else:
             match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
             if key is not None:

@@ -54,16 +54,19 @@ class SleepParams(BaseModel):
     seconds: float
     first_seconds: float | None = None
     """How long the task's first attempt sleeps (``seconds`` when absent)."""
+    first_gate: str | None = None
+    """A file the first attempt waits for before its sleep (a test creates it when ready)."""
 
 
 @runner.task("sleep")
 async def sleep(params: SleepParams, ctx: TaskContext) -> dict[str, Any]:
     """Sleep (cancellably); records a ``cancelled`` mark with ``ctx.cancelled`` when stopped."""
     mark("start", ctx)
-    seconds = (
-        params.first_seconds if ctx.attempt == 1 and params.first_seconds is not None else params.seconds
-    )
+    first = ctx.attempt == 1
+    seconds = params.first_seconds if first and params.first_seconds is not None else params.seconds
     try:
+        while first and params.first_gate and not await asyncio.to_thread(os.path.exists, params.first_gate):
+            await asyncio.sleep(0.05)
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:
         mark("cancelled", ctx, ctx_cancelled=ctx.cancelled)

@@ -86,9 +86,11 @@ async def test_partitioned_worker_fences_itself_and_resumes_after_heal(
         await wait_for(lambda: w1.find("worker started"), 60, "w1 to start")
         lease: dict[str, Any] = {"ping_interval": 0.5, "ping_timeout": 2.0}
         await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 60}, key="victim", **lease)
-        # Finishes during the partition, before its (longer) lease runs out: its outcome cannot be written.
-        await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 3.0}, key="short",
-                             ping_interval=0.5, ping_timeout=4.0)  # fmt: skip
+        # Finishes during the partition (its gate opens then), before its longer lease runs
+        # out: its outcome cannot be written.
+        gate = tmp_path / "partitioned"
+        await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 0.5, "first_gate": str(gate)},
+                             key="short", ping_interval=0.5, ping_timeout=4.0)  # fmt: skip
         claim = await wait_for(lambda: running(runner, "victim"), 30, "w1 to claim and ping")
         assert claim["worker_id"] == "w1"
         assert (await wait_for(lambda: running(runner, "short"), 30, "w1 to claim short"))[
@@ -98,6 +100,7 @@ async def test_partitioned_worker_fences_itself_and_resumes_after_heal(
         await wait_for(lambda: w2.find("worker started"), 60, "w2 to start")
 
         proxy.blackhole()
+        gate.touch()
         last_ping = (await runner.get("victim")).entry(claim["run_id"])
         assert last_ping is not None
         [fenced] = await wait_for(lambda: w1.find("stopping run", reason=UNCONFIRMED), 15, "w1 to self-fence")
