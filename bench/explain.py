@@ -5,7 +5,8 @@ show plans). Creates a scratch collection with taskrunner's indexes, inserts
 100k finished tasks plus a few pending ones, runs ``explain`` at
 ``executionStats`` verbosity for the claims (by key, batched by keys, and the keyless
 sweep: ``find_one_and_update``'s filter and sort, as a find), the ping/finish fence,
-the shared renewal, the candidate scan, the listing queries,
+the shared renewal, the two ranges of the worker sweep (`Store.due`), the candidate scan,
+the listing queries,
 the purge filter and the registry's liveness query, then drops the collection.
 Prints one JSON line and appends it to bench/results.jsonl. Without the variable
 it says so and exits 0.
@@ -102,6 +103,10 @@ def queries(pending_key: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "claim_sweep": ("", {"filter": claim, "sort": sort, "limit": 1}),
         "claim_by_key": ("", {"filter": claim | {f.KEY: pending_key}, "sort": sort, "limit": 1}),
         "claim_batch": ("", {"filter": claim | {f.KEY: {"$in": [pending_key, "todo:1", "todo:2"]}}}),
+        "sweep_running": ("", {"filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), (TaskState.RUNNING.value,)),
+                               "sort": {f.CLAIMABLE_AT: 1}, "limit": 100}),
+        "sweep_pending": ("", {"filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), (TaskState.PENDING.value,)),
+                               "sort": {f.CLAIMABLE_AT: 1}, "limit": 100}),
         "ping_finish": ("", {"filter": x.entry_filter(pending_key, "no-such-run")}),
         "renewal": ("", {"filter": x.renewal_filter(pending_key, "no-such-run", WORKER)}),
         "get": ("", {"filter": {f.KEY: pending_key}, "limit": 1}),

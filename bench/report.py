@@ -338,6 +338,76 @@ def throughput(r: Report) -> None:
               "uv run python bench/baseline.py")  # fmt: skip
 
 
+def round_ratio(mine: Group, other: Group, figure: str) -> float | None:
+    """Median of mine/other over runs taken side by side (the i-th latest run of each: a
+    round of bench/versus.py runs both systems one after the other)."""
+    ratios = [a[figure] / b[figure] for a, b in zip(mine.runs, other.runs, strict=False)
+              if isinstance(a.get(figure), int | float) and isinstance(b.get(figure), int | float) and b[figure]]  # fmt: skip
+    return statistics.median(ratios) if ratios else None
+
+
+def versus_rows(gs: list[Group]) -> list[list[str]]:
+    by = {(g.get("system"), g.get("workers"), g.get("publish"), bool(g.get("hog"))): g for g in gs}
+    rows = []
+    for (system, workers, publish, hog), g in sorted(by.items(), key=lambda kv: (str(kv[0][2]), kv[0][3],
+                                                                                 numeric(kv[0][1]))):  # fmt: skip
+        loop = by.get(("loop", workers, publish, hog))
+        if system != "taskrunner" or loop is None:
+            continue
+        rows.append([str(publish), "yes" if hog else "no", fmt(workers, 0), fmt(g.median("tasks_per_s"), 1),
+                     fmt(loop.median("tasks_per_s"), 1), fmt(round_ratio(g, loop, "tasks_per_s")),
+                     f"{fmt(g.median('pickup_p50_ms'), 0)} / {fmt(g.median('pickup_p95_ms'), 0)}",
+                     f"{fmt(loop.median('pickup_p50_ms'), 0)} / {fmt(loop.median('pickup_p95_ms'), 0)}",
+                     fmt(g.median("commands_per_task")), fmt(loop.median("commands_per_task")),
+                     fmt(g.median("claim_attempts_per_claim")), fmt(g.median("events_per_task_per_worker")),
+                     fmt(g.median("getmores_per_task_per_worker")), str(min(g.n, loop.n))])  # fmt: skip
+    return rows
+
+
+def versus(r: Report) -> None:
+    r.add("", "## Side by side: taskrunner and the hand-rolled loop", "",
+          "One embedded server; for each worker count, W `taskrunner worker --concurrency 1` processes "
+          "and W processes of the hand-rolled `find_one_and_update` loop (bench/baseline_worker.py, "
+          "100 ms idle sleep) take turns on fresh collections; 300 no-op tasks published one at a time "
+          "(`one`) or in one call (`many`); `hog`: two spinning processes keep both cores busy. "
+          "Ratio: the median over rounds of taskrunner/loop within the same round. Commands per task "
+          "count everything the worker processes sent (getMores, registry, sweeps, idle polling).")  # fmt: skip
+    if r.not_run("versus"):
+        return
+    gs = r.groups("versus")
+    r.add("", *table(["publish", "hog", "workers", "taskrunner tasks/s", "loop tasks/s", "ratio",
+                      "taskrunner pickup p50/p95 ms", "loop pickup p50/p95 ms", "taskrunner cmds/task",
+                      "loop cmds/task", "claims/task", "events/task/worker", "getMores/task/worker", "n"],
+                     versus_rows(gs)))  # fmt: skip
+
+    def draw(ax: Any) -> None:
+        for (system, publish, hog), lines in split(gs, lambda g: (g.get("system"), g.get("publish"),
+                                                                   bool(g.get("hog")))):  # fmt: skip
+            style = ("-" if system == "taskrunner" else "--") + ("s" if hog else "o")
+            line(ax, lines, "workers", "tasks_per_s", f"{system}, {publish}{', hog' if hog else ''}", style)
+        ax.set(xlabel="worker processes", ylabel="tasks per second", ylim=(0, None))
+
+    r.plot("versus", "taskrunner and the hand-rolled loop vs worker processes", draw)
+    r.command("uv run python bench/versus.py --workers 4,8,16 --publish one",
+              "uv run python bench/versus.py --workers 4,8,16 --publish many",
+              "uv run python bench/versus.py --workers 4,8,16 --publish one --hog")  # fmt: skip
+
+
+def idle(r: Report) -> None:
+    r.add("", "## Idle cost", "",
+          "W idle `taskrunner worker` processes after a few tasks: server commands per second per "
+          "worker (the difference between a short and a long idle run, so start-up cancels out), by "
+          "job; claims made while idle.")  # fmt: skip
+    if r.not_run("idle"):
+        return
+    gs = r.groups("idle", key=lambda g: (str(g.get("mode")), numeric(g.get("workers"))))
+    rows = [[str(g.get("mode")), fmt(g.get("workers"), 0), fmt(g.median("commands_per_s_per_worker")),
+             ", ".join(f"{k} {fmt(v)}" for k, v in g.median_dict("by_job").items()),
+             fmt(g.median("claims_per_s")), str(g.n)] for g in gs]  # fmt: skip
+    r.add("", *table(["discovery", "workers", "commands/s per worker", "by job", "claims/s", "n"], rows))
+    r.command("uv run python bench/idle.py --workers 4 --modes stream,poll")
+
+
 def takeover(r: Report) -> None:
     r.add("", "## Takeover time", "",
           "Seconds from signalling the worker that runs a task until another worker has claimed it.")  # fmt: skip
@@ -425,7 +495,18 @@ def render(results: Path, out: Path, *, smoke: bool = False) -> Report:
     notes = HERE / "notes.md"  # hand-written reading of the numbers, kept next to the scripts
     if notes.exists():
         r.add("", notes.read_text().strip())
-    for section in (roundtrips, claim_storm, pickup, throughput, takeover, cpu, heartbeat, machines):
+    for section in (
+        versus,
+        idle,
+        roundtrips,
+        claim_storm,
+        pickup,
+        throughput,
+        takeover,
+        cpu,
+        heartbeat,
+        machines,
+    ):
         section(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(r.lines) + "\n")

@@ -3,7 +3,8 @@
 Each script runs as a subprocess, one after another (they share two cores badly):
 roundtrips (workers 1,2,4,8, with and without batching), claim_storm (workers
 2,4,8,16), pickup (stream, polling), baseline, throughput, takeover, cpu and
-heartbeat, ``--runs`` times each (default 3: the report takes the median of the
+heartbeat, versus (taskrunner and the hand-rolled loop side by side) and idle,
+``--runs`` times each (default 3: the report takes the median of the
 latest 3), appending to ``--results``; then the report renders docs/benchmarks.md.
 A script that is missing or fails is reported and the rest still run; the exit
 status is 1 if any failed.
@@ -39,6 +40,15 @@ BENCHES: dict[str, tuple[str, list[list[str]]]] = {
     "takeover": ("takeover.py", [[]]),
     "cpu": ("cpu.py", [["--concurrency", "10,50"]]),
     "heartbeat": ("heartbeat.py", [["--in-flight", "1,10,50"]]),
+    "versus": (
+        "versus.py",
+        [
+            ["--workers", "4,8,16", "--rounds", "1", "--publish", "one"],
+            ["--workers", "4,8,16", "--rounds", "1", "--publish", "many"],
+            ["--workers", "4,8,16", "--rounds", "1", "--publish", "one", "--hog"],
+        ],
+    ),
+    "idle": ("idle.py", [["--workers", "4"]]),
 }
 SMOKE_ARGS = {"pickup": [["--mode", "stream"]]}  # one smoke invocation is enough elsewhere
 

@@ -87,6 +87,16 @@ HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "candidates, first page": (TASK_INDEXES, ACTIVE, [(f.KEY, 1)]),
     "candidates, next page": (TASK_INDEXES, ACTIVE | {f.KEY: {"$gt": "k"}}, [(f.KEY, 1)]),
     "purge": (TASK_INDEXES, x.purge_filter([TaskState.SUCCESS.value], 1000.0), []),
+    "sweep, expired leases": (
+        TASK_INDEXES,
+        x.due_filter("w1", ["noop"], 0, (TaskState.RUNNING.value,)),
+        [(f.CLAIMABLE_AT, 1)],
+    ),
+    "sweep, new tasks": (
+        TASK_INDEXES,
+        x.due_filter("w1", ["noop"], 0, (TaskState.PENDING.value,)),
+        [(f.CLAIMABLE_AT, 1)],
+    ),
     "registry beat": (REGISTRY_INDEXES, {f.ID: "w1"}, []),
     "registry liveness": (REGISTRY_INDEXES, LIVE, [(f.ID, 1)]),
 }
