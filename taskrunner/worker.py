@@ -57,6 +57,7 @@ SPECIAL = (KEYLESS, SWEEP)
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
 ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's sweep may
 SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, orphans)
+QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while nothing runs here
 SWEEP_LIMIT = 100  # tasks one sweep reads
 
 
@@ -335,8 +336,10 @@ class Worker:
         """Read what is claimable soon (``Store.due``) and queue what this worker should
         claim; then sweep again after the interval (the poll interval when polling)."""
         now = self.clock.now()
-        interval = self.poll_interval if self.discovery.polling else SWEEP_INTERVAL
-        horizon = datetime.fromtimestamp(now + interval, UTC)
+        polling = self.discovery.polling
+        # Looks as far ahead as the longest wait before the next sweep, so a lease expiring
+        # meanwhile is seen (and the owner queues it for the moment it expires).
+        horizon = datetime.fromtimestamp(now + (self.poll_interval if polling else QUIET_SWEEP_INTERVAL), UTC)
         try:
             page = await self.store.due(
                 self.worker_id, sorted(self.names), horizon=horizon, limit=SWEEP_LIMIT
@@ -358,6 +361,10 @@ class Worker:
         if page.unreadable:
             self.keyless()
         more = page.after is not None and len(self.queue) > before
+        # An idle fleet sweeps half as often: nothing was claimable within the horizon and
+        # new tasks reach their owners' streams; a sweep that sees anything keeps the pace.
+        quiet = not page.tasks and not page.unreadable and not self.runs
+        interval = self.poll_interval if polling else QUIET_SWEEP_INTERVAL if quiet else SWEEP_INTERVAL
         self.sweep_at(now if more else now + interval)
 
     def _claimed(self, claims: list[Claim]) -> None:
