@@ -27,6 +27,11 @@ proxy's command executor and fixes three things:
   settings (``validator``, ``validationLevel``, ``validationAction``) to the
   engine's stored collection options, so ``taskrunner init --validator`` works
   on an existing collection as it does on MongoDB.
+* ``$match`` per event.  mongoeco prepares and compiles a stream's pipeline again
+  for every event in every open stream, which cost more than the match itself
+  and grew with the number of streams.  A pipeline of plain ``$match`` stages
+  (no ``$expr``) is compiled once per stream with mongoeco's own matcher, so
+  what matches is unchanged; other pipelines run as before.
 * Cursor id width.  mongoeco replies with 32-bit cursor ids, which the Node
   driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
   then send back.  Replies get Int64 ids and requests get plain ints.
@@ -57,9 +62,13 @@ from types import TracebackType
 from typing import Any
 
 try:
+    from mongoeco._change_streams.pipeline import apply_full_document_mode
     from mongoeco._types.documents import encode_change_stream_token
     from mongoeco.api import AsyncMongoClient as _EcoClient
+    from mongoeco.core.aggregation.planning import _match_spec_contains_expr
     from mongoeco.core.bson_scalars import BsonInt64
+    from mongoeco.core.compiled_query import CompiledQuery
+    from mongoeco.core.query_plan import compile_filter
     from mongoeco.errors import OperationFailure
     from mongoeco.wire import AsyncMongoEcoProxyServer
 except ImportError:  # Python < 3.13 or the 'embedded' extra is missing.
@@ -237,6 +246,27 @@ class _UpdateDescriptions:
         self._append(event)
 
 
+def _compile_matches(stream: Any) -> None:
+    """Match ``stream``'s events with its ``$match`` stages compiled once (see the module
+    docstring); a pipeline with other stages or ``$expr`` is left to mongoeco."""
+    stages = stream._pipeline
+    if not stages or any(
+        set(stage) != {"$match"} or _match_spec_contains_expr(stage["$match"]) for stage in stages
+    ):
+        return
+    matchers = [CompiledQuery(compile_filter(stage["$match"])) for stage in stages if stage["$match"]]
+
+    def transform(event: Any) -> Any:
+        if not stream._scope.matches(event):
+            return None
+        document = apply_full_document_mode(event.to_document(), stream._full_document)
+        if all(matcher.match(document) for matcher in matchers):
+            return stream._materialize_document(document)
+        return None
+
+    stream._transform = transform
+
+
 @dataclass(frozen=True, slots=True)
 class _BridgedCommand:
     """Request context for commands the bridge answers; the proxy only passes it back to us."""
@@ -281,6 +311,7 @@ class _ChangeStreams:
             stream = target.watch(command.body["pipeline"][1:] or None, **_watch_options(spec))
         except OperationFailure as error:
             raise _translate(error) from error
+        _compile_matches(stream)
         cursor = _StreamCursor(self._new_id(), ns, stream)
         self._cursors[cursor.cursor_id] = cursor
         size = _batch_size((command.body.get("cursor") or {}).get("batchSize"))

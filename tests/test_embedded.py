@@ -302,7 +302,19 @@ _PROXY_CALLS = (
     "self._executor.error_document(",
 )
 _EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
-_STREAM_NAMES = ("_hub", "_offset", "_max_await_time_ms", "try_next", "alive", "close")
+_STREAM_NAMES = (
+    "_hub",
+    "_offset",
+    "_max_await_time_ms",
+    "try_next",
+    "alive",
+    "close",
+    "_pipeline",
+    "_scope",
+    "_full_document",
+    "_materialize_document",
+    "_transform",
+)
 _HUB_NAMES = ("_condition", "_events", "_base_offset", "_next_token")
 
 
