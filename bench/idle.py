@@ -5,8 +5,9 @@ W ``taskrunner worker`` processes (``--concurrency 1``, counting their round tri
 seconds, then stop. The difference of the two runs' command counts over the difference
 of their idle times is the idle cost: start-up, the warm-up tasks and shutdown cancel
 out. Modes: ``stream`` (change streams, the default) and ``poll`` (``--discovery poll``,
-a sweep every ``--poll-interval``). ``claims_per_s`` is the claim commands idle workers
-make (0 expected: a worker never claims a finished task or one it was not told of).
+a sweep every ``--poll-interval``). ``idle_claims`` counts the claims the workers
+attempted after the warm-up tasks were done (their debug log: ``claimed`` and each key
+of ``claim missed``); 0 expected: a worker never claims a finished task.
 
     uv run python bench/idle.py [--workers 4] [--short 5] [--long 35] [--modes stream,poll]
                                 [--rounds 1] [--smoke] [--results PATH]
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections import Counter
+from datetime import datetime
 from typing import Any
 
 from common import add_common_args, emit
@@ -32,9 +35,11 @@ POLL_INTERVAL = 1.0
 
 async def idle_counts(
     uri: str, collection: str, workers: int, mode: str, warm: int, idle: float
-) -> tuple[Counter[str], Counter[str]]:
-    """Commands and jobs of ``workers`` processes that ran ``warm`` tasks, then idled ``idle`` s."""
-    extra = ["--discovery", "poll", "--poll-interval", str(POLL_INTERVAL)] if mode == "poll" else []
+) -> tuple[Counter[str], Counter[str], int]:
+    """Commands and jobs of ``workers`` processes that ran ``warm`` tasks, then idled ``idle``
+    s, and the claims they attempted while idle."""
+    extra = ["--log-level", "debug"]
+    extra += ["--discovery", "poll", "--poll-interval", str(POLL_INTERVAL)] if mode == "poll" else []
     with Processes(uri, collection) as procs:
         names = [f"w{i}" for i in range(workers)]
         for name in names:
@@ -51,8 +56,22 @@ async def idle_counts(
             await wait_until(registered, 120, f"{workers} workers to register", interval=0.1)
             await runner.publish_many([{"name": "stamp", "key": f"warm{i}"} for i in range(warm)])
             await wait_until(warmed, 120, f"{warm} warm-up tasks", interval=0.1)
+            since = time.time()
             await asyncio.sleep(idle)
-            return await stop_and_count(procs, names)
+            claims = sum(claims_since(procs, name, since) for name in names)
+            commands, jobs = await stop_and_count(procs, names)
+            return commands, jobs, claims
+
+
+def claims_since(procs: Processes, name: str, since: float) -> int:
+    """Claims ``name`` attempted after ``since`` (wall clock), from its debug log."""
+
+    def after(event: dict[str, Any]) -> bool:
+        return datetime.fromisoformat(str(event["timestamp"])).timestamp() >= since
+
+    won = [e for e in procs.events(name, "claimed") if after(e)]
+    missed = [e for e in procs.events(name, "claim missed") if after(e)]
+    return len(won) + sum(len(e.get("keys", [])) for e in missed)
 
 
 async def measure(uri: str, mode: str, workers: int, args: argparse.Namespace, run: int) -> dict[str, Any]:
@@ -69,7 +88,7 @@ async def measure(uri: str, mode: str, workers: int, args: argparse.Namespace, r
         "commands_per_s_per_worker": round(sum(commands.values()), 3),
         "by_command": commands,
         "by_job": jobs,
-        "claims_per_s": round(jobs.get("claim", 0.0) * workers, 3),
+        "idle_claims": short[2] + long[2],
         "idle_seconds": args.long - args.short,
     }
 

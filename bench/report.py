@@ -397,14 +397,17 @@ def idle(r: Report) -> None:
     r.add("", "## Idle cost", "",
           "W idle `taskrunner worker` processes after a few tasks: server commands per second per "
           "worker (the difference between a short and a long idle run, so start-up cancels out), by "
-          "job; claims made while idle.")  # fmt: skip
+          "job; claims attempted while idle (from the workers' debug logs).")  # fmt: skip
     if r.not_run("idle"):
         return
     gs = r.groups("idle", key=lambda g: (str(g.get("mode")), numeric(g.get("workers"))))
     rows = [[str(g.get("mode")), fmt(g.get("workers"), 0), fmt(g.median("commands_per_s_per_worker")),
              ", ".join(f"{k} {fmt(v)}" for k, v in g.median_dict("by_job").items()),
-             fmt(g.median("claims_per_s")), str(g.n)] for g in gs]  # fmt: skip
-    r.add("", *table(["discovery", "workers", "commands/s per worker", "by job", "claims/s", "n"], rows))
+             fmt(g.median("idle_claims"), 0), str(g.n)] for g in gs]  # fmt: skip
+    r.add(
+        "",
+        *table(["discovery", "workers", "commands/s per worker", "by job", "claims while idle", "n"], rows),
+    )
     r.command("uv run python bench/idle.py --workers 4 --modes stream,poll")
 
 

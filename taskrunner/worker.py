@@ -58,6 +58,7 @@ MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): wort
 ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's sweep may
 SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, orphans)
 QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while nothing runs here
+FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together, at most
 SWEEP_LIMIT = 100  # tasks one sweep reads
 
 
@@ -337,9 +338,13 @@ class Worker:
         claim; then sweep again after the interval (the poll interval when polling)."""
         now = self.clock.now()
         polling = self.discovery.polling
+        # Any worker's sweep finds an expired lease or an orphan for the fleet, so the fleet
+        # shares a sweep rate: 16 workers sweeping every second swamped a small server.
+        busy = max(SWEEP_INTERVAL, (len(self.peers) + 1) / FLEET_SWEEPS) * random.uniform(0.9, 1.1)
+        quiet = max(QUIET_SWEEP_INTERVAL, busy)
         # Looks as far ahead as the longest wait before the next sweep, so a lease expiring
         # meanwhile is seen (and the owner queues it for the moment it expires).
-        horizon = datetime.fromtimestamp(now + (self.poll_interval if polling else QUIET_SWEEP_INTERVAL), UTC)
+        horizon = datetime.fromtimestamp(now + (self.poll_interval if polling else quiet), UTC)
         try:
             page = await self.store.due(
                 self.worker_id, sorted(self.names), horizon=horizon, limit=SWEEP_LIMIT
@@ -363,8 +368,8 @@ class Worker:
         more = page.after is not None and len(self.queue) > before
         # An idle fleet sweeps half as often: nothing was claimable within the horizon and
         # new tasks reach their owners' streams; a sweep that sees anything keeps the pace.
-        quiet = not page.tasks and not page.unreadable and not self.runs
-        interval = self.poll_interval if polling else QUIET_SWEEP_INTERVAL if quiet else SWEEP_INTERVAL
+        saw_nothing = not page.tasks and not page.unreadable and not self.runs
+        interval = self.poll_interval if polling else quiet if saw_nothing else busy
         self.sweep_at(now if more else now + interval)
 
     def _claimed(self, claims: list[Claim]) -> None:
