@@ -31,6 +31,7 @@ from taskrunner import TaskRunner
 from taskrunner.models import TaskState
 
 POLL_INTERVAL = 1.0
+SETTLE = 3.0
 
 
 async def idle_counts(
@@ -54,6 +55,7 @@ async def idle_counts(
                 return await runner.store.count(state=TaskState.SUCCESS) >= warm
 
             await wait_until(registered, 120, f"{workers} workers to register", interval=0.1)
+            await asyncio.sleep(SETTLE)  # every worker has read the registry: ownership settled
             await runner.publish_many([{"name": "stamp", "key": f"warm{i}"} for i in range(warm)])
             await wait_until(warmed, 120, f"{warm} warm-up tasks", interval=0.1)
             since = time.time()

@@ -5,7 +5,8 @@ a fresh collection. For each worker count W, each system runs in turn (the order
 alternates between rounds, so neither always goes first on a warmer machine):
 
 - ``taskrunner``: W ``taskrunner worker --concurrency 1`` processes (bench/apps.py,
-  ``TASKRUNNER_COUNT_ROUNDTRIPS=1``), registered before publishing starts.
+  ``TASKRUNNER_COUNT_ROUNDTRIPS=1``), registered and settled (3 s, so each has read the
+  registry and knows its peers) before publishing starts.
 - ``loop``: W processes of bench/baseline_worker.py (``find_one_and_update`` PENDING ->
   RUNNING sorted by priority and age, ``update_one`` to SUCCESS, 100 ms sleep when idle).
 
@@ -52,6 +53,7 @@ from taskrunner.models import TaskState
 
 Doc = dict[str, Any]
 LOOP_DB = "baseline"
+SETTLE = 3.0  # seconds between the last worker's registration and the first publish
 LOOP_INDEX = [("state", 1), ("priority", -1), ("created_at", 1)]
 
 
@@ -110,6 +112,9 @@ async def run_taskrunner(uri: str, collection: str, workers: int, tasks: int, ma
                 return len(await runner.workers()) >= workers
 
             await wait_until(registered, 120, f"{workers} workers to register", interval=0.1)
+            # Steady state, as in production: every worker has read the registry (every 2 s)
+            # and knows its peers, so ownership and its stream's buckets are settled.
+            await asyncio.sleep(SETTLE)
             keys = [f"t{i:05}" for i in range(tasks)]
             published: dict[str, float] = {}
             start = time.time()

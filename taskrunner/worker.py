@@ -59,7 +59,8 @@ ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's
 SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, orphans)
 QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while nothing runs here
 FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together, at most
-SWEEP_LIMIT = 100  # tasks one sweep reads
+SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
+BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
 
 
 def _hash(token: str, worker_id: str) -> bytes:
@@ -333,34 +334,36 @@ class Worker:
         self._claimed(claimed.claims)
         return claimed.claims
 
+    def _sweep_intervals(self) -> tuple[float, float]:
+        """Seconds to the next sweep after one that saw work, and after one that saw nothing.
+        Any worker's sweep finds an expired lease or an orphan for the fleet, so the fleet
+        shares a sweep rate: 16 workers sweeping every second swamped a small server."""
+        if self.discovery.polling:
+            return self.poll_interval, self.poll_interval
+        busy = max(SWEEP_INTERVAL, (len(self.peers) + 1) / FLEET_SWEEPS) * random.uniform(0.9, 1.1)
+        return busy, max(QUIET_SWEEP_INTERVAL, busy)
+
     async def _sweep(self) -> None:
         """Read what is claimable soon (``Store.due``) and queue what this worker should
         claim; then sweep again after the interval (the poll interval when polling)."""
         now = self.clock.now()
-        polling = self.discovery.polling
-        # Any worker's sweep finds an expired lease or an orphan for the fleet, so the fleet
-        # shares a sweep rate: 16 workers sweeping every second swamped a small server.
-        busy = max(SWEEP_INTERVAL, (len(self.peers) + 1) / FLEET_SWEEPS) * random.uniform(0.9, 1.1)
-        quiet = max(QUIET_SWEEP_INTERVAL, busy)
+        busy, quiet = self._sweep_intervals()
+        # With due tasks of its own a worker reads few and steals only takeovers: taking
+        # another owner's backlog then only makes claims collide, and reads cost the server.
+        own_work = bool(self.queue.due(now, limit=1)) and not self.discovery.polling
         # Looks as far ahead as the longest wait before the next sweep, so a lease expiring
         # meanwhile is seen (and the owner queues it for the moment it expires).
-        horizon = datetime.fromtimestamp(now + (self.poll_interval if polling else quiet), UTC)
+        horizon = datetime.fromtimestamp(now + quiet, UTC)
+        limit = BUSY_SWEEP_LIMIT if own_work else SWEEP_LIMIT
         try:
-            page = await self.store.due(
-                self.worker_id, sorted(self.names), horizon=horizon, limit=SWEEP_LIMIT
-            )
+            page = await self.store.due(self.worker_id, sorted(self.names), horizon=horizon, limit=limit)
         except StoreError as exc:
             self.sweep_at(now + self._claims.failed(exc))
             return
         self._claims.ok()
         before = len(self.queue)
         others = [t for t in page.tasks if not self.consider(t)]
-        # Orphans: at most as many as there are free slots; takeovers first, then those this
-        # worker ranks highest for, so idle sweepers spread over them instead of colliding.
-        budget = max(1, self.concurrency - len(self.runs))
-        order = sorted(others, key=lambda t: (t.state is not TaskState.RUNNING, self.rank(t)))
-        stolen = [task.key for task in order[:budget] if self.consider(task, steal=True)]
-        self.log.debug("swept", read=len(page.tasks), queued=len(self.queue) - before, stolen=stolen)
+        self._steal([t for t in others if t.state is TaskState.RUNNING] if own_work else others)
         for bad in page.unreadable:
             self.discovery.report(bad.key, bad.problem, repeat=False)
         if page.unreadable:
@@ -369,8 +372,15 @@ class Worker:
         # An idle fleet sweeps half as often: nothing was claimable within the horizon and
         # new tasks reach their owners' streams; a sweep that sees anything keeps the pace.
         saw_nothing = not page.tasks and not page.unreadable and not self.runs
-        interval = self.poll_interval if polling else quiet if saw_nothing else busy
-        self.sweep_at(now if more else now + interval)
+        self.sweep_at(now if more else now + (quiet if saw_nothing else busy))
+
+    def _steal(self, others: list[Task]) -> None:
+        """Queue orphans: at most as many as there are free slots; takeovers first, then
+        those this worker ranks highest for, so idle sweepers spread instead of colliding."""
+        budget = max(1, self.concurrency - len(self.runs))
+        order = sorted(others, key=lambda t: (t.state is not TaskState.RUNNING, self.rank(t)))
+        stolen = [task.key for task in order[:budget] if self.consider(task, steal=True)]
+        self.log.debug("swept", orphans=len(others), stolen=stolen)
 
     def _claimed(self, claims: list[Claim]) -> None:
         for claim in claims:
