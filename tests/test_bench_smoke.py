@@ -126,6 +126,14 @@ def synthetic_lines() -> list[dict[str, Any]]:
         configs.append(("heartbeat", {"in_flight": k, "ping_interval": 0.5},
                         {"heartbeat_writes": 8, "intervals": 8.0, "writes_per_interval": 1.0,
                          "statements": 8 * k, "statements_per_interval": float(k)}))  # fmt: skip
+    for system, rate in (("taskrunner", 40.0), ("loop", 20.0)):
+        configs.append(("versus", {"system": system, "workers": 4, "publish": "one", "hog": False},
+                        {"tasks_per_s": rate, "pickup_p50_ms": 5.0, "pickup_p95_ms": 30.0,
+                         "commands_per_task": 2.0, "claim_attempts_per_claim": 1.0,
+                         "events_per_task_per_worker": 0.25, "getmores_per_task_per_worker": 0.25}))  # fmt: skip
+    configs.append(("idle", {"mode": "stream", "workers": 4},
+                    {"commands_per_s_per_worker": 1.5, "by_job": {"registry": 1.0, "discovery": 0.5},
+                     "idle_claims": 0}))  # fmt: skip
     return [
         {"bench": bench, "config": config, **figures, "smoke": False, "machine": MACHINE,
          "when": f"2026-11-22T08:0{run}:00"}
@@ -151,7 +159,7 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     lines = [old, *synthetic_lines(), smoke]
     results.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
     text = render_report(results, tmp_path / "docs" / "benchmarks.md")
-    for heading in ("## Targets", "## Round trips per task", "## Claim attempts per claim", "## Pickup latency",
+    for heading in ("## Targets", "## Side by side", "## Idle cost", "## Round trips per task", "## Claim attempts per claim", "## Pickup latency",
                     "## Throughput", "## Takeover time", "## Worker CPU per task", "## Heartbeat writes",
                     "## Machine and dates"):  # fmt: skip
         assert heading in text
@@ -160,8 +168,9 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     assert "| claim attempts per claim ≤ 1.3 with 16 workers | 1.2 | yes |" in text
     assert "| 16 | 1.2 | 30 | 14 | 40 | 3 |" in text  # latest 3 of 4 runs
     assert "Test CPU" in text and "2026-11-22T08:01:00" in text and "2026-11-22T08:00:00" not in text
+    assert "| one | no | 4 | 40 | 20 | 2 | 5 / 30 |" in text  # the ratio within each round
     plots = tmp_path / "docs" / "benchmarks"
-    for name in ("roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
+    for name in ("versus", "roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
         assert f"](benchmarks/{name}.png)" in text
     used = [json.loads(line) for line in (plots / "results.jsonl").read_text().splitlines()]
@@ -171,7 +180,7 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
 def test_report_without_results_says_not_run_yet(tmp_path: Path) -> None:
     """Missing benches render as "not run yet" instead of failing."""
     text = render_report(tmp_path / "missing.jsonl", tmp_path / "benchmarks.md")
-    assert text.count("Not run yet") == 7
+    assert text.count("Not run yet") == 9
     assert ".png)" not in text
 
 
