@@ -70,7 +70,11 @@ def _hash(token: str, worker_id: str) -> bytes:
 def _token(task: Task) -> str:
     """What ownership is decided on: the task's bucket (so the worker whose stream hears
     the insert is the one that claims it), or its key when it has no usable bucket."""
-    return f"\0bucket{task.bucket}" if task.bucket is not None else task.key
+    return _bucket_token(task.bucket) if task.bucket is not None else task.key
+
+
+def _bucket_token(bucket: int) -> str:
+    return f"\0bucket{bucket}"
 
 
 def owned_buckets(worker_id: str, peers: Sequence[str]) -> list[int]:
@@ -79,7 +83,7 @@ def owned_buckets(worker_id: str, peers: Sequence[str]) -> list[int]:
     candidates = [*peers, worker_id]
     return [
         b for b in range(BUCKETS)
-        if min(candidates, key=lambda w: _hash(f"\0bucket{b}", w)) == worker_id
+        if min(candidates, key=lambda w: _hash(_bucket_token(b), w)) == worker_id
     ]  # fmt: skip
 
 

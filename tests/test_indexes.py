@@ -89,12 +89,12 @@ HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "purge": (TASK_INDEXES, x.purge_filter([TaskState.SUCCESS.value], 1000.0), []),
     "sweep, expired leases": (
         TASK_INDEXES,
-        x.due_filter("w1", ["noop"], 0, (TaskState.RUNNING.value,)),
+        x.due_filter("w1", ["noop"], 0, TaskState.RUNNING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
     "sweep, new tasks": (
         TASK_INDEXES,
-        x.due_filter("w1", ["noop"], 0, (TaskState.PENDING.value,)),
+        x.due_filter("w1", ["noop"], 0, TaskState.PENDING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
     "registry beat": (REGISTRY_INDEXES, {f.ID: "w1"}, []),

@@ -243,15 +243,14 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     return {"$arrayElemAt": [{"$literal": run_ids}, position]}
 
 
-def due_filter(
-    worker_id: str, names: list[str], horizon: Any, states: Sequence[str] = ACTIVE
-) -> dict[str, Any]:
-    """``rules.sweepable``: what a worker's sweep reads, through the claim index (state,
-    claimable_at). ``horizon`` is a date (the worker's estimate of server time plus how
-    far ahead it looks): it only bounds the scan; every claim re-checks at ``$$NOW``."""
+def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
+    """``rules.sweepable`` for tasks in ``state`` (PENDING or RUNNING: the sweep reads each
+    as its own range of the claim index, state then claimable_at). ``horizon`` is a date
+    (the worker's estimate of server time plus how far ahead it looks): it only bounds
+    the scan; every claim re-checks at ``$$NOW``."""
     mine = {f.WORKER_ID: worker_id, f.STATE: {"$in": [EntryState.RUNNING.value, EntryState.SUCCESS.value]}}
     return {
-        f.STATE: {"$in": list(states)},
+        f.STATE: state,
         f.CLAIMABLE_AT: {"$lte": horizon},
         f.NAME: {"$in": names},
         "$or": _allowed(worker_id),
@@ -268,7 +267,7 @@ def due_pipeline(
     lease expiry) is later than a whole backlog's: it would wait until the backlog drained."""
 
     def branch(state: str) -> list[dict[str, Any]]:
-        match = due_filter(worker_id, names, horizon, (state,))
+        match = due_filter(worker_id, names, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
     pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
