@@ -51,6 +51,16 @@ app = typer.Typer(help="Background tasks as readable MongoDB documents.", no_arg
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
+
+@app.callback()
+def _measure_terminal() -> None:
+    """Every command measures the terminal as it starts: a Console reads COLUMNS once, when
+    built, and a process may run several commands (tests, embedding) with different widths."""
+    global out, err
+    out = Console(highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
 MongoUri = Annotated[
     str | None,
     typer.Option("--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help=f"MongoDB URI (default {DEFAULT_URI})."),

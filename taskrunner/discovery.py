@@ -62,6 +62,7 @@ class Discovery:
         self._failures = 0
         self._stream_failures = 0
         self._reported: dict[str | None, str] = {}
+        self._listened = False
 
     def listen(self, owned: Mapping[str, Sequence[int]] | None) -> None:
         """Hear the inserts of these buckets from now on: the stream reopens with them after
@@ -108,6 +109,9 @@ class Discovery:
         stream = await self.store.watch(resume_after=self._token, work_for=self.names, owned=owned)
         try:
             self._recovered()  # the server answered the aggregate that opened the stream
+            if not self._listened:  # from here on every insert and wake reaches the worker
+                log.info("change stream opened")
+                self._listened = True
             if self._token is None:
                 self.sweep_at(None)  # what was written while no stream was open
             while not stop.is_set() and self.owned == owned:

@@ -48,7 +48,8 @@ def pool(mongo_uri: str, collection: str, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture
 async def worker(pool: WorkerPool) -> WorkerProcess:
     [process] = pool.workers
-    await wait_for(lambda: process.find("worker started"), 60, "the worker to start")
+    # A document without claimable_at is outside every sweep's range: only the stream sees it.
+    await wait_for(lambda: process.find("change stream opened"), 60, "the worker's stream to open")
     return process
 
 
@@ -138,7 +139,7 @@ MALFORMED: list[tuple[str, Callable[[Doc], None], str, str]] = [
     ("options-nan-ping-interval", _set("options.ping_interval", math.nan), "options.ping_interval", REJECTED),
     ("options-worker-ids-string", _set("options.worker_ids", WORKER_ID), "options.worker_ids", REJECTED),
     ("workers-not-an-array", _set("workers", "nobody"), "workers", SKIPPED),
-    ("workers-huge-junk-array", _set("workers", [{"junk": i} for i in range(10_000)]), "workers.0", REJECTED),
+    ("workers-huge-junk-array", _set("workers", [{"junk": i} for i in range(1_000)]), "workers.0", REJECTED),
     ("unknown-state", _set("state", "EXPLODED"), "state", SKIPPED),
     ("state-wrong-type", _set("state", 7), "state", SKIPPED),
     ("params-not-an-object", _set("params", "not an object"), "params", REJECTED),
