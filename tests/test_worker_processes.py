@@ -189,7 +189,7 @@ async def test_worker_ids_are_respected_and_removal_stops_the_run(
         [done] = await wait_for(lambda: finished(runner, "moving"), 30, "the other worker's run")
         [worker] = [w for w in pool.workers if w.worker_id == first.worker_id]
     print(f"released {release_delay:.2f}s after the worker_ids change (ping_interval 0.5s)")
-    assert release_delay <= 2.5  # a few ping intervals
+    assert release_delay <= 5.0  # a few ping intervals (0.5 s), with room for a busy machine
     [stop] = worker.find("stopping run", key="moving")
     assert stop["reason"] == "worker no longer in worker_ids"
     assert worker.find("claim released", key="moving", reason="worker no longer in worker_ids")
@@ -257,7 +257,7 @@ async def test_max_failures_is_task_wide_and_errors_are_kept(
 async def test_sigterm_releases_the_run_for_another_worker_at_once(
     runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
 ) -> None:
-    """SIGTERM releases a running task (failures stay 0) and another worker claims it within 1 s, long before its lease ends."""
+    """SIGTERM releases a running task (failures stay 0) and another worker claims it at once, long before its 30 s lease ends."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
         workers = {w.worker_id: w for w in pool.start_many(["w1", "w2"])}
         await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 60}, key="handover",
@@ -281,7 +281,9 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
     print(
         f"SIGTERM to pickup {pickup:.2f}s (shutdown-timeout 0.5s); release to claim {server_gap:.2f}s server time"
     )
-    assert pickup <= 1.0  # measured 0.53-0.57 s, also with two suites running at once
+    # Measured 0.5-0.6 s on a quiet machine, 1.3 s with test files running side by side; a
+    # claim that waited for the lease would take 30 s.
+    assert pickup < 10
     assert done.state is TaskState.SUCCESS and (done.failures, done.attempts) == (0, 2)
     assert (entry.worker_id, entry.state) == (staying.worker_id, EntryState.SUCCESS)
     assert leaving.find("claim released", key="handover", reason="worker shutting down")

@@ -188,7 +188,7 @@ async def test_stalled_worker_is_taken_over_and_its_late_writes_are_rejected(
     )
     assert PING_TIMEOUT - 0.01 <= takeover <= PING_TIMEOUT + 3
     assert stop["reason"] in ("claim lost", "lease unconfirmed for ping_timeout")
-    assert 0 <= stopped_after <= 2.0
+    assert 0 <= stopped_after <= 4.0
     # Nothing the stalled run did after the takeover reached the document.
     assert not any(_has_run(doc, old.run_id) for doc in versions[first_new:])
     assert not stalled.find("run succeeded", key="stall") and not stalled.find("run failed", key="stall")
