@@ -10,9 +10,11 @@ from taskrunner.errors import (
     ConfigurationError,
     Fail,
     InvalidParams,
+    InvalidSchedule,
     InvalidState,
     InvalidTask,
     MalformedTask,
+    ScheduleNotFound,
     StoreError,
     StoreUnavailable,
     TaskNotFound,
@@ -33,6 +35,7 @@ from taskrunner.models import (
     WorkerInfo,
 )
 from taskrunner.runner import TaskRunner
+from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
 from taskrunner.store.base import ChangeEvent, Claim, Store
 from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore
@@ -50,12 +53,17 @@ __all__ = [
     "EntryState",
     "Fail",
     "InvalidParams",
+    "InvalidSchedule",
     "InvalidState",
     "InvalidTask",
     "MalformedTask",
     "MemoryStore",
     "MongoStore",
     "NewTask",
+    "Schedule",
+    "ScheduleNotFound",
+    "ScheduleState",
+    "ScheduleView",
     "Store",
     "StoreError",
     "StoreUnavailable",

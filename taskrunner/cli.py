@@ -16,6 +16,7 @@ import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
+from zoneinfo import ZoneInfo
 
 import typer
 from rich.console import Console
@@ -27,6 +28,7 @@ from taskrunner.errors import TaskRunnerError, WaitTimeout
 from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo, parse_duration
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
+from taskrunner.schedules import ScheduleView
 
 if TYPE_CHECKING:
     from taskrunner.observe import WorkerObserver
@@ -439,6 +441,93 @@ def _workers_table(infos: list[WorkerInfo]) -> Table:
                                    f"{_ago(w.beat_at, now)} ago", flight, w.version or "-",
                                    "stopping" if w.stop_requested else "running")))  # fmt: skip
     return table
+
+
+schedules_app = typer.Typer(
+    help="Recurring schedules: list, pause, resume, trigger.", invoke_without_command=True
+)
+app.add_typer(schedules_app, name="schedules")
+
+
+@schedules_app.callback()
+def schedules_command(
+    context: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="One schedule per line as JSON.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Stored schedules: expression, next 3 fire times in the schedule's zone, last task, paused, orphaned."""
+    context.obj = (mongo_uri, database, collection, timeout)
+    if context.invoked_subcommand is not None:
+        return
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    views = run(_closing(runner, runner.schedule_overview()))
+    if as_json:
+        for view in views:
+            print(view.model_dump_json())
+    else:
+        out.print(_schedules_table(views) if views else "no schedules (workers store their app's at start)")
+
+
+def _schedules_table(views: list[ScheduleView]) -> Table:
+    table = Table(title=f"{len(views)} schedule{'' if len(views) == 1 else 's'}")
+    for column in ("id", "task", "expression", "next fire times", "last task", "status"):
+        table.add_column(column, overflow="fold")
+    for view in views:
+        status = ["orphaned"] if view.orphaned else []
+        if view.schedule is None:
+            table.add_row(
+                *map(
+                    _text, (view.id, "-", "-", "-", "-", ", ".join([*status, f"unreadable: {view.problem}"]))
+                )
+            )
+            continue
+        s = view.schedule
+        zone = ZoneInfo(s.timezone)
+        times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at)
+        last = (
+            f"{s.last_key} ({view.last_task.state.value if view.last_task else 'gone'})"
+            if s.last_key
+            else "-"
+        )
+        status = ["paused" if s.paused else "active", *status]
+        table.add_row(*map(_text, (s.id, s.name, f"{s.recurrence.expression} ({s.timezone})", times, last,
+                                   ", ".join(status))))  # fmt: skip
+    return table
+
+
+def _schedule_action(context: typer.Context, action: str, schedule_id: str) -> Any:
+    runner = make_runner(*context.obj)
+    return run(_closing(runner, getattr(runner, action)(schedule_id)))
+
+
+@schedules_app.command("pause")
+def schedules_pause(
+    context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
+) -> None:
+    """Stop firing a schedule (ticks while paused never fire); running tasks are not touched."""
+    _schedule_action(context, "pause_schedule", schedule_id)
+    print(f"paused schedule {schedule_id}")
+
+
+@schedules_app.command("resume")
+def schedules_resume(
+    context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
+) -> None:
+    """Fire a paused schedule again from its next tick."""
+    _schedule_action(context, "resume_schedule", schedule_id)
+    print(f"resumed schedule {schedule_id}")
+
+
+@schedules_app.command("trigger")
+def schedules_trigger(
+    context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
+) -> None:
+    """Publish the schedule's task now, once (key ID@trigger-<server time>); its ticks are unchanged."""
+    task = _schedule_action(context, "trigger_schedule", schedule_id)
+    print(task.key)
 
 
 @app.command("stop-worker")

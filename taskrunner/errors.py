@@ -4,8 +4,10 @@
 
     TaskRunnerError
     ├── InvalidTask (ValueError)        bad input on publish; names the field
-    │   └── InvalidParams               params fail the handler's model
+    │   ├── InvalidParams               params fail the handler's model
+    │   └── InvalidSchedule             a bad schedule declaration; names the field
     ├── TaskNotFound (LookupError)      no task with that key
+    ├── ScheduleNotFound (LookupError)  no schedule with that id
     ├── InvalidState                    the task's state does not allow that (e.g. retry a SUCCESS)
     ├── WaitTimeout (TimeoutError)      wait() gave up; ``task`` holds the last state seen
     ├── UnknownHandler (LookupError)    no handler registered under that name
@@ -39,6 +41,16 @@ class InvalidTask(TaskRunnerError, ValueError):
 
 class InvalidParams(InvalidTask):
     """The params do not validate against the handler's model."""
+
+
+class InvalidSchedule(InvalidTask):
+    """A schedule cannot be declared as given (cron, every, timezone, catch_up, ...)."""
+
+
+class ScheduleNotFound(TaskRunnerError, LookupError):
+    def __init__(self, schedule_id: str) -> None:
+        self.schedule_id = schedule_id
+        super().__init__(f"no schedule with id {schedule_id!r}")
 
 
 class TaskNotFound(TaskRunnerError, LookupError):

@@ -90,6 +90,27 @@ NAMES: Final = "names"
 RUNNING: Final = "running"
 VERSION: Final = "version"
 STOP_REQUESTED: Final = "stop_requested"
+SCHEDULE_IDS: Final = "schedules"
+"""Ids of the schedules the worker's app declares (a schedule no live worker declares is orphaned)."""
+
+# -- schedules (collection "<tasks collection>.schedules"; docs/schedules.md) -----------------
+SCHEDULES_SUFFIX: Final = "schedules"
+CRON: Final = "cron"
+EVERY: Final = "every"
+TIMEZONE: Final = "timezone"
+CATCH_UP: Final = "catch_up"
+MAX_CATCH_UP: Final = "max_catch_up"
+JITTER: Final = "jitter"
+GRACE: Final = "grace"
+PAUSED: Final = "paused"
+NEXT_AT: Final = "next_at"
+LAST_TICK: Final = "last_tick"
+LAST_KEY: Final = "last_key"
+DECLARED_AT: Final = "declared_at"
+RESUMED_AT: Final = "resumed_at"
+SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
+                              JITTER, GRACE)  # fmt: skip
+"""Fields a worker writes from its app's code at start; the rest is the schedule's state."""
 
 
 def opt(name: str) -> str:

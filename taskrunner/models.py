@@ -305,6 +305,8 @@ class WorkerInfo(BaseModel):
     expires_at: UtcDatetime | None = None
     stop_requested: bool = False
     """Set by ``taskrunner stop-worker``; the worker shuts down gracefully at its next beat."""
+    schedules: list[str] = Field(default_factory=list)
+    """Ids of the schedules its app declares (it fires them)."""
 
 
 class TaskStats(BaseModel):

@@ -14,9 +14,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import ValidationError
 
 from taskrunner import fields as f
-from taskrunner.errors import InvalidTask, StoreError, StoreUnavailable, WaitTimeout
+from taskrunner.errors import (
+    InvalidSchedule,
+    InvalidTask,
+    ScheduleNotFound,
+    StoreError,
+    StoreUnavailable,
+    TaskNotFound,
+    WaitTimeout,
+)
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
+from taskrunner.recurrence import iso
 from taskrunner.registry import Registration, Registry, plain_params
+from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 
 if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
@@ -48,6 +58,8 @@ class TaskRunner:
         self.mongo_uri = mongo_uri or os.environ.get("TASKRUNNER_MONGO_URI", DEFAULT_URI)
         self.database, self.collection, self.timeout = database, collection, timeout
         self.registry = Registry()
+        self.schedules: dict[str, Schedule] = {}
+        """Schedules declared with ``schedule``, by id; workers store and fire them."""
         self._store = store
 
     @property
@@ -73,6 +85,81 @@ class TaskRunner:
             return handler
 
         return register
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: Duration | None = None,
+        params: Any = None,
+        id: str | None = None,
+        timezone: str = "UTC",
+        catch_up: str = "latest",
+        max_catch_up: int = 10,
+        jitter: Duration | None = None,
+        grace: Duration = DEFAULT_GRACE,
+        priority: int = 0,
+        **options: Any,
+    ) -> Schedule:
+        """Declare a recurring task: ``cron`` (5 fields, or 6 with leading seconds, in
+        ``timezone``) or ``every`` (a duration). Each tick publishes one task keyed
+        ``<id>@<tick, UTC ISO 8601>``; workers of this app store and fire it. Errors name
+        the field at declaration (``InvalidSchedule``); see docs/schedules.md."""
+        probe = self.new_task(
+            {"name": name, "params": params, "priority": priority, "key": "probe", **options}
+        )
+        schedule = declare(name=name, schedule_id=id, cron=cron, every=every, timezone=timezone,
+                           params=probe.params, priority=priority, options=options, catch_up=catch_up,
+                           max_catch_up=max_catch_up, jitter=jitter, grace=grace)  # fmt: skip
+        self.schedules[schedule.id] = schedule
+        return schedule
+
+    async def list_schedules(self) -> list[ScheduleState | tuple[str, str]]:
+        """Every stored schedule (of any app); an unreadable one as (id, problem)."""
+        stored = await self.store.schedules()
+        return [s if isinstance(s, ScheduleState) else (i, s) for i, s in stored.items()]
+
+    async def schedule_overview(self, upcoming: int = 3) -> list[ScheduleView]:
+        """Each stored schedule with its next fire times, last task and whether any live
+        worker declares it (``taskrunner schedules``)."""
+        stored = await self.store.schedules()
+        declared = {i for w in await self.workers() for i in w.schedules}
+        now = await self.store.server_time()
+        return [await self._view(i, s, i not in declared, now, upcoming) for i, s in stored.items()]
+
+    async def _view(
+        self, schedule_id: str, state: ScheduleState | str, orphaned: bool, now: datetime, upcoming: int
+    ) -> ScheduleView:
+        if isinstance(state, str):
+            return ScheduleView(id=schedule_id, orphaned=orphaned, problem=state)
+        last = None
+        if state.last_key is not None:
+            with suppress(TaskNotFound):
+                last = await self.get(state.last_key)
+        return ScheduleView(id=schedule_id, schedule=state, orphaned=orphaned, last_task=last,
+                            next_at=state.recurrence.upcoming(now, upcoming))  # fmt: skip
+
+    async def pause_schedule(self, schedule_id: str) -> ScheduleState:
+        """No tick fires until ``resume_schedule``; ticks in between never do."""
+        return await self.store.pause_schedule(schedule_id, True)
+
+    async def resume_schedule(self, schedule_id: str) -> ScheduleState:
+        return await self.store.pause_schedule(schedule_id, False)
+
+    async def trigger_schedule(self, schedule_id: str) -> Task:
+        """Publish the schedule's task now, once, keyed ``<id>@trigger-<server time>``."""
+        stored = (await self.store.schedules([schedule_id])).get(schedule_id)
+        if stored is None:
+            raise ScheduleNotFound(schedule_id)
+        if isinstance(stored, str):
+            raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {stored}")
+        now = await self.store.server_time()
+        task = stored.task(now).model_copy(
+            update={"key": f"{schedule_id}@trigger-{iso(now)}", "run_at": None}
+        )
+        [published] = await self.store.publish([task])
+        return published
 
     async def publish(
         self,
@@ -263,7 +350,7 @@ class TaskRunner:
             store=store,
             timeout=timeout or self.timeout,
         )
-        twin.registry = self.registry
+        twin.registry, twin.schedules = self.registry, self.schedules
         return twin
 
     async def run_worker(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from taskrunner import __version__, rules
+from taskrunner.claimqueue import ClaimQueue, Due
 from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
@@ -43,7 +44,7 @@ from taskrunner.heartbeat import Heartbeat
 from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
-from taskrunner.schedule import ClaimQueue, Due
+from taskrunner.schedules import Scheduler
 from taskrunner.store.base import Claim, Store
 from taskrunner.writes import RunWrites
 
@@ -211,6 +212,8 @@ class Worker:
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
         side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
                 "clock": self._clock_loop, "registry": self._registry_loop}  # fmt: skip
+        if self.runner.schedules:
+            side["scheduler"] = self._schedule_loop
         tasks = {
             name: asyncio.create_task(self._supervise(name, make), name=name) for name, make in side.items()
         }
@@ -449,11 +452,27 @@ class Worker:
             except StoreError as exc:
                 self._clock_outage.failed(exc)  # the next sync is a minute away anyway
 
+    async def _schedule_loop(self) -> None:
+        """Fire the app's schedules (taskrunner.schedules), once the peers are known."""
+        await self._peers_known.wait()
+        scheduler = Scheduler(self.store, list(self.runner.schedules.values()),
+                              now=lambda: datetime.fromtimestamp(self.clock.now(), UTC), rank=self.schedule_rank)  # fmt: skip
+        outage = Outage(
+            self.log, "scheduler cannot reach the server; retrying", "scheduler recovered", cap=3.0
+        )
+        await scheduler.run(self._stop, outage)
+
+    def schedule_rank(self, schedule_id: str) -> int:
+        """This worker's place among the live workers declaring the schedule (0 fires first)."""
+        candidates = [p.worker_id for p in self.peers if schedule_id in p.schedules] + [self.worker_id]
+        return sorted(candidates, key=lambda w: _hash(f"schedule:{schedule_id}", w)).index(self.worker_id)
+
     def info(self) -> WorkerInfo:
         running = sorted(execution.key for execution, _ in self.runs.values())
         return WorkerInfo(worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
                           started_at=self.started_at, names=sorted(self.names), concurrency=self.concurrency,
-                          running=running, version=__version__)  # fmt: skip
+                          running=running, version=__version__,
+                          schedules=sorted(self.runner.schedules))  # fmt: skip
 
     async def _registry_loop(self) -> None:
         """Heartbeat into the registry and learn the live peers (for claim ranks)."""

@@ -204,9 +204,27 @@ async def _load_sample(uri: str, database: str) -> None:
                                         running=running, version="0.1.0"), ttl=ttl)  # fmt: skip
         ago = {"beat_at": now - timedelta(seconds=70), "expires_at": now - timedelta(seconds=60)}
         await registry.update_one({"_id": C}, {"$set": ago})
+        await _sample_schedules(runner, now)
+        await registry.update_one({"_id": A}, {"$set": {"schedules": ["nightly-report"]}})
     finally:
         await raw.close()
         await runner.close()
+
+
+async def _sample_schedules(runner: TaskRunner, now: datetime) -> None:
+    """nightly-report (declared by A, fired last night) and cleanup (paused; no live worker declares it)."""
+    runner.schedule(
+        "digest", id="nightly-report", cron="0 2 * * *", timezone="Europe/Paris", params={"n": "nightly"}
+    )
+    runner.schedule("email", id="cleanup", every=timedelta(hours=1))
+    for schedule in runner.schedules.values():
+        await runner.store.declare_schedule(schedule, schedule.recurrence.after(now))
+    nightly = runner.schedules["nightly-report"]
+    tick = nightly.recurrence.latest(now)
+    assert tick is not None
+    [task] = await runner.store.publish([nightly.task(tick)])
+    await runner.store.record_tick(nightly.id, None, tick, task.key, nightly.recurrence.after(now))
+    await runner.pause_schedule("cleanup")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from taskrunner import ChangeStreamsUnsupported, MemoryStore, TaskContext, TaskRunner, TaskState
+from taskrunner.claimqueue import ClaimQueue
 from taskrunner.models import WorkerInfo
-from taskrunner.schedule import ClaimQueue
 from taskrunner.store.base import ChangeStream, Page
 from taskrunner.worker import Worker
 

@@ -24,8 +24,10 @@ from taskrunner import (
     TaskState,
     rules,
 )
+from taskrunner.errors import ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.rules import RunStatus
+from taskrunner.schedules import declare
 from taskrunner.store.base import ChangeEvent, ChangeStream, RunWrite, Store
 
 pytestmark = pytest.mark.mongo
@@ -615,3 +617,34 @@ async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(s
     await publish(store, task("pinned", options={"worker_ids": ["w9"]}))  # no change: it is running
     assert await store.write_runs([RunWrite("ping", "pinned", claim.run_id, "w2")]) == [RunStatus.NOT_ALLOWED]
     assert await store.write_runs([]) == []
+
+
+# -- schedules ------------------------------------------------------------------------------
+async def test_a_declared_schedule_keeps_its_state_and_records_ticks_once(store: Store) -> None:
+    """Declaring again updates the definition but keeps paused and last_tick; a tick is recorded only over the tick read."""
+
+    def spec(cron: str) -> Any:
+        return declare(name="report", schedule_id="r", cron=cron, every=None, timezone="Europe/Paris", params={},
+                       priority=0, options={}, catch_up="latest", max_catch_up=10, jitter=None, grace=5)  # fmt: skip
+
+    now = await store.server_time()
+    await store.declare_schedule(spec("*/5 * * * *"), now)
+    paused = await store.pause_schedule("r", True)
+    assert paused.paused and paused.created_at is not None
+    await store.declare_schedule(spec("*/10 * * * *"), now)
+    [state] = (await store.schedules(["r", "missing"])).values()
+    assert not isinstance(state, str)
+    assert (state.cron, state.paused, state.timezone, state.last_tick) == (
+        "*/10 * * * *",
+        True,
+        "Europe/Paris",
+        None,
+    )
+    tick = now.replace(microsecond=0)
+    assert await store.record_tick("r", None, tick, "r@1", tick)
+    assert not await store.record_tick("r", None, tick, "r@1", tick)  # another worker got there first
+    resumed = await store.pause_schedule("r", False)
+    assert (resumed.paused, resumed.last_tick, resumed.last_key) == (False, tick, "r@1")
+    assert resumed.resumed_at is not None
+    with pytest.raises(ScheduleNotFound):
+        await store.pause_schedule("nope", True)

@@ -18,6 +18,7 @@ from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
 from taskrunner.rules import RunStatus
+from taskrunner.schedules import Schedule, ScheduleState
 
 EventKind = Literal["insert", "update", "replace", "delete"]
 RunWriteKind = Literal["ping", "success", "failure"]
@@ -252,6 +253,22 @@ class Store(Protocol):
         """Workers whose registration has not expired."""
 
     async def unregister(self, worker_id: str) -> None: ...
+
+    async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
+        """Create or update a schedule's definition (its state, e.g. ``paused``, is kept)."""
+
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+        """Stored schedules by id (all, or those of ``ids`` that exist); an unreadable
+        document is a message naming its problem."""
+
+    async def record_tick(
+        self, schedule_id: str, previous: datetime | None, tick: datetime, key: str, next_at: datetime
+    ) -> bool:
+        """Record a fired tick if the last recorded tick is still ``previous``."""
+
+    async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
+        """Pause or resume (ticks that came due while paused never fire); raises
+        ``ScheduleNotFound``."""
 
     async def watch(
         self,

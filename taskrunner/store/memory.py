@@ -20,9 +20,18 @@ from bson import ObjectId
 
 from taskrunner import fields as f
 from taskrunner import rules
-from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, MalformedTask, TaskNotFound
+from taskrunner.errors import (
+    ChangeHistoryLost,
+    ClaimLost,
+    InvalidSchedule,
+    InvalidState,
+    MalformedTask,
+    ScheduleNotFound,
+    TaskNotFound,
+)
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
 from taskrunner.rules import RunStatus
+from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,
@@ -71,6 +80,7 @@ class MemoryStore:
         self._history = history
         self._changed = asyncio.Event()
         self._registry: dict[str, WorkerInfo] = {}
+        self._schedules: dict[str, Doc] = {}
 
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
@@ -344,6 +354,37 @@ class MemoryStore:
 
     async def unregister(self, worker_id: str) -> None:
         self._registry.pop(worker_id, None)
+
+    async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
+        now, old = self._clock(), self._schedules.get(schedule.id, {})
+        self._schedules[schedule.id] = {
+            **old, f.ID: schedule.id, **_clone(schedule.definition()), f.PAUSED: old.get(f.PAUSED, False),
+            f.NEXT_AT: next_at, f.CREATED_AT: old.get(f.CREATED_AT, now), f.DECLARED_AT: now, f.UPDATED_AT: now,
+        }  # fmt: skip
+
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+        chosen = sorted(self._schedules if ids is None else set(ids) & set(self._schedules))
+        return {i: ScheduleState.read(_clone(self._schedules[i])) for i in chosen}
+
+    async def record_tick(
+        self, schedule_id: str, previous: datetime | None, tick: datetime, key: str, next_at: datetime
+    ) -> bool:
+        doc = self._schedules.get(schedule_id)
+        if doc is None or doc.get(f.LAST_TICK) != previous:
+            return False
+        doc.update({f.LAST_TICK: tick, f.LAST_KEY: key, f.NEXT_AT: next_at, f.UPDATED_AT: self._clock()})
+        return True
+
+    async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
+        doc = self._schedules.get(schedule_id)
+        if doc is None:
+            raise ScheduleNotFound(schedule_id)
+        now = self._clock()
+        doc.update({f.PAUSED: paused, f.UPDATED_AT: now, **({} if paused else {f.RESUMED_AT: now})})
+        state = ScheduleState.read(_clone(doc))
+        if isinstance(state, str):
+            raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
+        return state
 
     async def watch(
         self,

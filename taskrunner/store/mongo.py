@@ -26,9 +26,11 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamsUnsupported,
     ClaimLost,
+    InvalidSchedule,
     InvalidState,
     InvalidTask,
     MalformedTask,
+    ScheduleNotFound,
     StoreError,
     StoreUnavailable,
     TaskNotFound,
@@ -37,6 +39,7 @@ from taskrunner.errors import (
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.rules import RunStatus
+from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store import expressions as x
 from taskrunner.store.base import (
     ChangeEvent,
@@ -103,6 +106,7 @@ class MongoStore:
         self.client = client
         self.collection: AsyncCollection[Doc] = client[database][collection]
         self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
+        self.schedule_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.SCHEDULES_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
@@ -528,6 +532,48 @@ class MongoStore:
     async def unregister(self, worker_id: str) -> None:
         with mapped_errors():
             await self.registry.delete_one({f.ID: worker_id})
+
+    async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
+        definition = {k: {"$literal": v} for k, v in schedule.definition().items()}
+        state = {f.PAUSED: {"$ifNull": [f.ref(f.PAUSED), False]}, f.NEXT_AT: next_at,
+                 f.CREATED_AT: {"$ifNull": [f.ref(f.CREATED_AT), x.NOW]}, f.DECLARED_AT: x.NOW,
+                 f.UPDATED_AT: x.NOW}  # fmt: skip
+        with mapped_errors():
+            await self.schedule_docs.update_one(
+                {f.ID: schedule.id}, [{"$set": {**definition, **state}}], upsert=True
+            )
+
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+        query = {} if ids is None else {f.ID: {"$in": list(ids)}}
+        with mapped_errors():
+            docs = await self.schedule_docs.find(query).sort(f.ID, 1).to_list()
+        return {str(doc.get(f.ID)): ScheduleState.read(doc) for doc in docs}
+
+    async def record_tick(
+        self, schedule_id: str, previous: datetime | None, tick: datetime, key: str, next_at: datetime
+    ) -> bool:
+        with mapped_errors():
+            result = await self.schedule_docs.update_one(
+                {f.ID: schedule_id, f.LAST_TICK: previous},
+                {"$set": {f.LAST_TICK: tick, f.LAST_KEY: key, f.NEXT_AT: next_at},
+                 "$currentDate": {f.UPDATED_AT: True}},
+            )  # fmt: skip
+        return result.modified_count == 1
+
+    async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
+        changes: Doc = {f.PAUSED: paused, f.UPDATED_AT: x.NOW}
+        if not paused:
+            changes[f.RESUMED_AT] = x.NOW
+        with mapped_errors():
+            doc = await self.schedule_docs.find_one_and_update(
+                {f.ID: schedule_id}, [{"$set": changes}], return_document=ReturnDocument.AFTER
+            )
+        if doc is None:
+            raise ScheduleNotFound(schedule_id)
+        state = ScheduleState.read(doc)
+        if isinstance(state, str):
+            raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
+        return state
 
     async def watch(
         self,

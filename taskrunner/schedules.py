@@ -1,0 +1,240 @@
+"""Recurring schedules: declared in code, stored in ``<collection>.schedules``, fired by workers.
+
+Every worker whose app declares a schedule fires it; nothing elects a leader. A tick's
+task has the key ``<schedule id>@<tick, UTC ISO 8601>``, so when several workers fire
+the same tick the idempotent publish keeps one task. To spare the server, the
+schedule's owner (rendezvous hash over the live workers that declare it, as for tasks)
+fires at the tick and the others one second later per rank, each after reading the
+schedule document: a tick already recorded there is not published again. A worker that
+dies between publishing and recording leaves a tick the next one publishes again, which
+returns the existing task. Ticks are computed from the server's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from taskrunner.errors import InvalidSchedule, StoreError
+from taskrunner.models import NewTask, Task, UtcDatetime
+from taskrunner.recurrence import CATCH_UPS, CatchUp, Recurrence, due, parse, tick_key
+from taskrunner.redact import redact
+
+if TYPE_CHECKING:
+    from taskrunner.outage import Outage
+    from taskrunner.store.base import Store
+
+log = structlog.get_logger("taskrunner.schedules")
+BACKUP_DELAY = 1.0  # seconds a worker of rank n waits (times n) after a tick before firing it
+MAX_SLEEP = 5.0  # the loop looks at the documents at least this often (pause, resume, edits)
+DEFAULT_GRACE = 5.0  # seconds after its time a tick still counts as on time (not missed)
+
+
+class Schedule(BaseModel):
+    """A schedule as declared in code (``TaskRunner.schedule``); its definition fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(min_length=1)
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    priority: int = 0
+    options: dict[str, Any] = Field(default_factory=dict)
+    cron: str | None = None
+    every: float | None = None
+    """Seconds between ticks (``every=`` as a number in the document)."""
+    timezone: str = "UTC"
+    catch_up: CatchUp = "latest"
+    max_catch_up: int = Field(10, ge=1)
+    jitter: float = Field(0.0, ge=0)
+    grace: float = Field(DEFAULT_GRACE, gt=0)
+
+    @property
+    def recurrence(self) -> Recurrence:
+        return parse(cron=self.cron, every=self.every, timezone=self.timezone)
+
+    def definition(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if k != "id"}
+
+    def task(self, tick: datetime) -> NewTask:
+        """The tick's task; jitter delays it by a fraction of ``jitter`` that the key decides,
+        so workers racing for one tick publish the same run time."""
+        key = tick_key(self.id, tick)
+        spread = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest()) / 2**32
+        return NewTask.model_validate({"key": key, "name": self.name, "params": self.params,
+                                       "priority": self.priority, "options": self.options,
+                                       "run_at": tick + timedelta(seconds=self.jitter * spread)})  # fmt: skip
+
+
+class ScheduleState(Schedule):
+    """A schedule document as stored: the definition last declared plus its state."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    id: str = Field(alias="_id", min_length=1)
+    paused: bool = False
+    next_at: UtcDatetime | None = None
+    last_tick: UtcDatetime | None = None
+    last_key: str | None = None
+    created_at: UtcDatetime | None = None
+    updated_at: UtcDatetime | None = None
+    declared_at: UtcDatetime | None = None
+    resumed_at: UtcDatetime | None = None
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any]) -> ScheduleState | str:
+        """The document, or a message naming what is wrong with it (edited by hand)."""
+        try:
+            state = cls.model_validate(doc)
+            state.recurrence  # noqa: B018 - validates cron, every and timezone
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        except InvalidSchedule as exc:
+            return str(exc)
+        return state
+
+    def since(self) -> datetime | None:
+        """Ticks after this one are due: the last fired, or the (re)start of the schedule."""
+        marks = [t for t in (self.last_tick, self.resumed_at, self.created_at) if t is not None]
+        return max(marks) if marks else None
+
+
+class ScheduleView(BaseModel):
+    """What ``taskrunner schedules`` shows of one stored schedule."""
+
+    id: str
+    schedule: ScheduleState | None = None
+    problem: str | None = None
+    """Why the stored document cannot be read (edited by hand), if it cannot."""
+    orphaned: bool = False
+    """No live worker declares it (removed from the code, or no worker is up): it never
+    fires, and it is never deleted silently."""
+    next_at: list[UtcDatetime] = Field(default_factory=list)
+    last_task: Task | None = None
+
+
+def declare(
+    *,
+    name: str,
+    schedule_id: str | None,
+    cron: str | None,
+    every: timedelta | float | None,
+    timezone: str,
+    params: dict[str, Any],
+    priority: int,
+    options: Mapping[str, Any],
+    catch_up: str,
+    max_catch_up: int,
+    jitter: timedelta | float | None,
+    grace: timedelta | float,
+) -> Schedule:
+    """Validate a declaration; every error is an ``InvalidSchedule`` naming the field."""
+    recurrence = parse(cron=cron, every=every, timezone=timezone)
+    if catch_up not in CATCH_UPS:
+        raise InvalidSchedule("catch_up", f"must be one of {', '.join(CATCH_UPS)}, not {catch_up!r}")
+    if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) or max_catch_up < 1:
+        raise InvalidSchedule("max_catch_up", f"must be a whole number >= 1, not {max_catch_up!r}")
+    spec = {"id": schedule_id if schedule_id is not None else name, "name": name, "params": params,
+            "priority": priority, "options": dict(options), "cron": recurrence.cron,
+            "every": recurrence.every.total_seconds() if recurrence.every else None,
+            "timezone": timezone, "catch_up": catch_up, "max_catch_up": max_catch_up,
+            "jitter": _seconds("jitter", jitter or 0), "grace": _seconds("grace", grace)}  # fmt: skip
+    try:
+        return Schedule.model_validate(spec)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidSchedule(".".join(str(p) for p in first["loc"]), first["msg"]) from None
+
+
+def _seconds(field: str, value: timedelta | float) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+        raise InvalidSchedule(field, f"must be a duration >= 0, not {value!r}")
+    return float(seconds)
+
+
+class Scheduler:
+    """A worker's side task: fire the app's schedules on time, every worker as a backup."""
+
+    def __init__(
+        self,
+        store: Store,
+        schedules: Sequence[Schedule],
+        *,
+        now: Callable[[], datetime],
+        rank: Callable[[str], int],
+    ) -> None:
+        self.store, self.schedules = store, {s.id: s for s in schedules}
+        self.now, self.rank = now, rank
+        self._declared = False
+        self._reported: dict[str, str] = {}
+
+    async def run(self, stop: asyncio.Event, outage: Outage) -> None:
+        """Until ``stop``: declare the schedules, then fire each tick; a server that is away
+        is logged once (``outage``) and retried."""
+        while not stop.is_set():
+            try:
+                await self._declare()
+                wait = await self.tick()
+                outage.ok()
+            except StoreError as exc:
+                wait = outage.failed(exc)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+
+    async def _declare(self) -> None:
+        if self._declared:
+            return
+        now = self.now()
+        for schedule in self.schedules.values():
+            await self.store.declare_schedule(schedule, schedule.recurrence.after(now))
+        self._declared = True
+
+    async def tick(self) -> float:
+        """Fire what is due; returns how long to sleep before looking again."""
+        states = await self.store.schedules(list(self.schedules))
+        if set(self.schedules) - set(states):
+            self._declared = False  # deleted by hand: declared again on the next pass
+        waits = [MAX_SLEEP]
+        for schedule_id, stored in states.items():
+            if isinstance(stored, str):
+                self._report(schedule_id, stored)
+                continue
+            waits.append(await self._fire(self.schedules[schedule_id], stored))
+        return max(0.05, min(waits))
+
+    async def _fire(self, schedule: Schedule, state: ScheduleState) -> float:
+        recurrence, now = schedule.recurrence, self.now()
+        since = state.since()
+        if state.paused or since is None:
+            return MAX_SLEEP
+        lag = self.rank(schedule.id) * BACKUP_DELAY  # the owner fires first, others back it up
+        ticks = due(recurrence, since=since, now=now - timedelta(seconds=lag), catch_up=schedule.catch_up,
+                    max_catch_up=schedule.max_catch_up, grace=schedule.grace)  # fmt: skip
+        if ticks:
+            tasks = [schedule.task(tick) for tick in ticks]
+            published = await self.store.publish(tasks)
+            fired = ticks[-1]
+            recorded = await self.store.record_tick(schedule.id, state.last_tick, fired, tasks[-1].key,
+                                                    recurrence.after(now))  # fmt: skip
+            created = [t.key for t in published if t.created]
+            if created:
+                log.info("schedule fired", schedule=schedule.id, keys=created, recorded=recorded)
+            since = fired
+        upcoming = recurrence.after(max(since, now - timedelta(seconds=lag)))
+        return (upcoming - now).total_seconds() + lag
+
+    def _report(self, schedule_id: str, problem: str) -> None:
+        if self._reported.get(schedule_id) != problem:
+            log.warning(
+                "skipping unreadable schedule document", schedule=schedule_id, problem=redact(problem)
+            )
+            self._reported[schedule_id] = problem
