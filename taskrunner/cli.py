@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 from zoneinfo import ZoneInfo
@@ -498,9 +498,10 @@ def _schedules_table(views: list[ScheduleView]) -> Table:
     return table
 
 
-def _schedule_action(context: typer.Context, action: str, schedule_id: str) -> Any:
+def _schedule_action(context: typer.Context, action: Callable[[TaskRunner], Coroutine[Any, Any, T]]) -> T:
+    """Run one schedule coroutine on a runner built from the group's connection options."""
     runner = make_runner(*context.obj)
-    return run(_closing(runner, getattr(runner, action)(schedule_id)))
+    return run(_closing(runner, action(runner)))
 
 
 @schedules_app.command("pause")
@@ -508,7 +509,7 @@ def schedules_pause(
     context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
 ) -> None:
     """Stop firing a schedule (ticks while paused never fire); running tasks are not touched."""
-    _schedule_action(context, "pause_schedule", schedule_id)
+    _schedule_action(context, lambda runner: runner.pause_schedule(schedule_id))
     print(f"paused schedule {schedule_id}")
 
 
@@ -517,7 +518,7 @@ def schedules_resume(
     context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
 ) -> None:
     """Fire a paused schedule again from its next tick."""
-    _schedule_action(context, "resume_schedule", schedule_id)
+    _schedule_action(context, lambda runner: runner.resume_schedule(schedule_id))
     print(f"resumed schedule {schedule_id}")
 
 
@@ -526,7 +527,7 @@ def schedules_trigger(
     context: typer.Context, schedule_id: Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
 ) -> None:
     """Publish the schedule's task now, once (key ID@trigger-<server time>); its ticks are unchanged."""
-    task = _schedule_action(context, "trigger_schedule", schedule_id)
+    task = _schedule_action(context, lambda runner: runner.trigger_schedule(schedule_id))
     print(task.key)
 
 

@@ -112,7 +112,7 @@ def parse(*, cron: str | None, every: timedelta | float | None, timezone: str = 
     except (ZoneInfoNotFoundError, ValueError, TypeError):
         raise InvalidSchedule("timezone", f"unknown time zone {timezone!r}") from None
     if every is not None:
-        interval = every if isinstance(every, timedelta) else _interval(every)
+        interval = duration("every", every)
         if interval <= timedelta(0):
             raise InvalidSchedule("every", f"must be a positive duration, not {interval}")
         return Recurrence(None, interval, timezone)
@@ -175,13 +175,16 @@ def _ambiguous(wall: datetime, zone: ZoneInfo) -> bool:
     return _offset(wall, zone, 0) != _offset(wall, zone, 1)
 
 
-def _interval(seconds: float) -> timedelta:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
-        raise InvalidSchedule("every", f"must be a duration or a number of seconds, not {seconds!r}")
+def duration(field: str, value: timedelta | float) -> timedelta:
+    """A ``timedelta`` or a finite number of seconds, as a ``timedelta``; errors name ``field``."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise InvalidSchedule(field, f"must be a duration or a number of seconds, not {value!r}")
     try:
-        return timedelta(seconds=seconds)
+        return timedelta(seconds=value)
     except OverflowError:
-        raise InvalidSchedule("every", f"{seconds!r} seconds is too long") from None
+        raise InvalidSchedule(field, f"{value!r} seconds is too long") from None
 
 
 def _seconds(interval: timedelta) -> str:

@@ -24,7 +24,6 @@ from taskrunner.errors import (
     WaitTimeout,
 )
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
-from taskrunner.recurrence import iso
 from taskrunner.registry import Registration, Registry, plain_params
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 
@@ -155,10 +154,7 @@ class TaskRunner:
         if isinstance(stored, str):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {stored}")
         now = await self.store.server_time()
-        task = stored.task(now).model_copy(
-            update={"key": f"{schedule_id}@trigger-{iso(now)}", "run_at": None}
-        )
-        [published] = await self.store.publish([task])
+        [published] = await self.store.publish([stored.triggered(now)])
         return published
 
     async def publish(

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from taskrunner.errors import InvalidSchedule, StoreError
 from taskrunner.models import NewTask, Task, UtcDatetime
-from taskrunner.recurrence import CATCH_UPS, CatchUp, Recurrence, due, parse, tick_key
+from taskrunner.recurrence import CATCH_UPS, CatchUp, Recurrence, due, duration, iso, parse, tick_key
 from taskrunner.redact import redact
 
 if TYPE_CHECKING:
@@ -68,9 +68,15 @@ class Schedule(BaseModel):
         so workers racing for one tick publish the same run time."""
         key = tick_key(self.id, tick)
         spread = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest()) / 2**32
+        return self._task(key, tick + timedelta(seconds=self.jitter * spread))
+
+    def triggered(self, now: datetime) -> NewTask:
+        """The task ``trigger`` publishes: due now, keyed ``<id>@trigger-<now>``."""
+        return self._task(f"{self.id}@trigger-{iso(now)}", None)
+
+    def _task(self, key: str, run_at: datetime | None) -> NewTask:
         return NewTask.model_validate({"key": key, "name": self.name, "params": self.params,
-                                       "priority": self.priority, "options": self.options,
-                                       "run_at": tick + timedelta(seconds=self.jitter * spread)})  # fmt: skip
+                                       "priority": self.priority, "options": self.options, "run_at": run_at})  # fmt: skip
 
 
 class ScheduleState(Schedule):
@@ -155,10 +161,10 @@ def declare(
 
 
 def _seconds(field: str, value: timedelta | float) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+    seconds = duration(field, value).total_seconds()
+    if seconds < 0:
         raise InvalidSchedule(field, f"must be a duration >= 0, not {value!r}")
-    return float(seconds)
+    return seconds
 
 
 class Scheduler:

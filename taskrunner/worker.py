@@ -199,9 +199,7 @@ class Worker:
         """This worker's place in the rendezvous-hash order of the live peers (from the
         registry) that handle the task's name; 0 is the task's owner. Every worker computes
         the same order, so one claims and the others never try, whatever events reach them."""
-        candidates = [p.worker_id for p in self.peers if task.name in p.names] + [self.worker_id]
-        token = _token(task)
-        return sorted(candidates, key=lambda w: _hash(token, w)).index(self.worker_id)
+        return self._place(_token(task), [p.worker_id for p in self.peers if task.name in p.names])
 
     def owns(self, task: Task) -> bool:
         return self.rank(task) == 0
@@ -464,8 +462,13 @@ class Worker:
 
     def schedule_rank(self, schedule_id: str) -> int:
         """This worker's place among the live workers declaring the schedule (0 fires first)."""
-        candidates = [p.worker_id for p in self.peers if schedule_id in p.schedules] + [self.worker_id]
-        return sorted(candidates, key=lambda w: _hash(f"schedule:{schedule_id}", w)).index(self.worker_id)
+        return self._place(
+            f"schedule:{schedule_id}", [p.worker_id for p in self.peers if schedule_id in p.schedules]
+        )
+
+    def _place(self, token: str, peers: list[str]) -> int:
+        """This worker's place in the rendezvous-hash order of ``peers`` and itself for ``token``."""
+        return sorted([*peers, self.worker_id], key=lambda w: _hash(token, w)).index(self.worker_id)
 
     def info(self) -> WorkerInfo:
         running = sorted(execution.key for execution, _ in self.runs.values())
