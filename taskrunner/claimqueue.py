@@ -29,6 +29,8 @@ class Due:
     key: str
     fresh: bool = False
     """Nobody had run the task when it was queued: claimed with the small update."""
+    name: str = ""
+    """The task's name (flow control drops the entries of a paused name)."""
 
 
 class ClaimQueue:
@@ -50,8 +52,8 @@ class ClaimQueue:
         entry = self._live.get(key)
         return entry.at if entry else None
 
-    def put(self, key: str, at: float, rank: Rank, *, fresh: bool = False) -> None:
-        entry = Due(at, rank, key, fresh)
+    def put(self, key: str, at: float, rank: Rank, *, fresh: bool = False, name: str = "") -> None:
+        entry = Due(at, rank, key, fresh, name)
         if self._live.get(key) == entry:
             return
         self._live[key] = entry
@@ -64,6 +66,14 @@ class ClaimQueue:
 
     def discard(self, key: str) -> None:
         if self._live.pop(key, None) is not None:
+            self.changed.set()
+
+    def drop_names(self, names: frozenset[str]) -> None:
+        """Forget every entry of these task names (they are paused)."""
+        gone = [key for key, entry in self._live.items() if entry.name in names]
+        for key in gone:
+            del self._live[key]
+        if gone:
             self.changed.set()
 
     def next_at(self) -> float | None:

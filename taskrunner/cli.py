@@ -25,6 +25,7 @@ from rich.text import Text
 
 from taskrunner import fields as f
 from taskrunner.errors import TaskRunnerError, WaitTimeout
+from taskrunner.limits import ALL
 from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo, parse_duration
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
@@ -174,6 +175,9 @@ def publish(
     ] = None,
     update_pending: Annotated[bool, typer.Option(help="Update a task no worker has started.")] = False,
     republish_finished: Annotated[bool, typer.Option(help="Start a finished key afresh.")] = False,
+    allow_unknown: Annotated[
+        bool, typer.Option(help="With --app: publish a name the app has no handler for.")
+    ] = False,
     app_ref: AppRef = None,
     mongo_uri: MongoUri = None,
     database: Database = None,
@@ -187,7 +191,7 @@ def publish(
                "worker_ids": worker_id or None, "timeout": run_timeout}  # fmt: skip
     task = run(_closing(runner, runner.publish(
         name, _parse_params(params), key=key, priority=priority, delay=delay, run_at=run_at,
-        update_pending=update_pending, republish_finished=republish_finished,
+        update_pending=update_pending, republish_finished=republish_finished, allow_unknown=allow_unknown,
         **{k: v for k, v in options.items() if v is not None},
     )))  # fmt: skip
     if not task.created:
@@ -400,6 +404,13 @@ def stats_command(
     out.print(f"running: {numbers.running}; oldest pending: {'-' if oldest is None else f'{oldest:.1f} s'}")
     out.print(f"last hour: {numbers.finished_last_hour} runs finished, {numbers.failed_last_hour} failed"
               + ("" if rate is None else f" ({rate:.0%})"))  # fmt: skip
+    if numbers.paused:
+        out.print(
+            _text("paused: " + ("every task name" if ALL in numbers.paused else ", ".join(numbers.paused)))
+        )
+    if numbers.unserved:
+        names = ", ".join(f"{name} ({count} pending)" for name, count in numbers.unserved.items())
+        out.print(_text(f"no live worker serves: {names}"))
 
 
 def _counts_table(numbers: TaskStats) -> Table:
@@ -432,13 +443,24 @@ def workers_command(
 
 def _workers_table(infos: list[WorkerInfo]) -> Table:
     table = Table(title=f"{len(infos)} live worker{'' if len(infos) == 1 else 's'}")
-    for column in ("worker", "host", "pid", "started", "last beat", "in flight", "version", "status"):
+    for column in (
+        "worker",
+        "host",
+        "pid",
+        "started",
+        "last beat",
+        "in flight",
+        "paused",
+        "version",
+        "status",
+    ):
         table.add_column(column, overflow="fold")
     now = datetime.now(UTC)
     for w in infos:
         flight = f"{len(w.running)}/{w.concurrency}" + (f": {', '.join(w.running)}" if w.running else "")
         table.add_row(*map(_text, (w.worker_id, w.host, w.pid, w.started_at.strftime("%Y-%m-%d %H:%M:%S"),
-                                   f"{_ago(w.beat_at, now)} ago", flight, w.version or "-",
+                                   f"{_ago(w.beat_at, now)} ago", flight, ", ".join(w.paused) or "-",
+                                   w.version or "-",
                                    "stopping" if w.stop_requested else "running")))  # fmt: skip
     return table
 
@@ -529,6 +551,51 @@ def schedules_trigger(
     """Publish the schedule's task now, once (key ID@trigger-<server time>); its ticks are unchanged."""
     task = _schedule_action(context, lambda runner: runner.trigger_schedule(schedule_id))
     print(task.key)
+
+
+def _pause_target(name: str | None, every: bool) -> str:
+    if every == (name is not None):
+        fail("give a task NAME or --all (not both)")
+    return ALL if every else name or ALL
+
+
+@app.command("pause")
+def pause_command(
+    name: Annotated[str | None, typer.Argument(help="Task name.")] = None,
+    every: Annotated[bool, typer.Option("--all", help="Pause every task name.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Stop workers claiming tasks of NAME (or of every name) within a second; running tasks finish, publishing goes on."""
+    target = _pause_target(name, every)
+    runner = make_runner(mongo_uri, database, collection, timeout)
+    run(_closing(runner, runner.pause(target)))
+    print("paused: every task name" if target == ALL else f"paused: {target}")
+
+
+@app.command("resume")
+def resume_command(
+    name: Annotated[str | None, typer.Argument(help="Task name.")] = None,
+    every: Annotated[bool, typer.Option("--all", help="Lift every pause.")] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Let workers claim NAME again (--all: lift every pause, of any name and the global one)."""
+    target = _pause_target(name, every)
+    runner = make_runner(mongo_uri, database, collection, timeout)
+
+    async def resume() -> list[str]:
+        await runner.resume(target)
+        return await runner.paused()
+
+    still = run(_closing(runner, resume()))
+    print("resumed: every task name" if target == ALL else f"resumed: {target}")
+    if ALL in still:
+        err.print("note: every task name is still paused (taskrunner resume --all)")
 
 
 @app.command("stop-worker")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
+
+from taskrunner.errors import Retry
 
 
 @dataclass
@@ -35,6 +37,11 @@ class TaskContext:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be between 0 and 1, got {fraction}")
         self._progress = {"fraction": float(fraction), "message": message}
+
+    def snooze(self, seconds: float) -> NoReturn:
+        """End this run now and run the task again ``seconds`` from now (server time),
+        without counting a failure (raises ``Retry``; works in sync handlers too)."""
+        raise Retry(seconds)
 
     def take_progress(self) -> dict[str, Any] | None:
         """The progress not yet sent (the heartbeat calls this)."""

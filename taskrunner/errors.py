@@ -5,6 +5,7 @@
     TaskRunnerError
     ├── InvalidTask (ValueError)        bad input on publish; names the field
     │   ├── InvalidParams               params fail the handler's model
+    │   ├── UnknownTaskName (LookupError) publish: no handler has that name
     │   └── InvalidSchedule             a bad schedule declaration; names the field
     ├── TaskNotFound (LookupError)      no task with that key
     ├── ScheduleNotFound (LookupError)  no schedule with that id
@@ -20,7 +21,9 @@
         ├── ChangeHistoryLost           a change stream cannot resume; rescan
         └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
-    Fail (Exception)                    raised by a handler: fail now, no local retry
+    Fail (Exception)                    raised by a handler: FAIL now, never retried
+    Retry (Exception)                   raised by a handler: run again later, no failure counted
+    └── RateLimited                     ... and start no task of this name for a while
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ class InvalidTask(TaskRunnerError, ValueError):
 
 class InvalidParams(InvalidTask):
     """The params do not validate against the handler's model."""
+
+
+class UnknownTaskName(InvalidTask, LookupError):
+    """``publish`` on a runner with handlers got a name none of them has (likely a typo);
+    ``allow_unknown=True`` publishes it anyway, for workers of another app."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(
+            "name",
+            f"no handler registered for task name {name!r} (known: {', '.join(known)}); "
+            "pass allow_unknown=True to publish it for workers of another app",
+        )
 
 
 class InvalidSchedule(InvalidTask):
@@ -124,4 +140,27 @@ class ChangeStreamsUnsupported(StoreError):
 
 
 class Fail(Exception):
-    """Raise inside a handler to record a failure without local retries."""
+    """Raise inside a handler to end the task as FAIL now: no local retry, no later
+    attempt, whatever failure budget is left (the task gets ``fatal: true``)."""
+
+
+class Retry(Exception):
+    """Raise inside a handler to run the task again ``delay`` seconds from now (server
+    time) without counting a failure (Oban's snooze). ``ctx.snooze(seconds)`` raises it.
+    ``delay`` None waits what the task's backoff would after its next failure."""
+
+    def __init__(self, delay: float | None = None, reason: str = "") -> None:
+        if delay is not None and not 0 <= delay <= 366 * 86_400:
+            raise ValueError(f"retry delay must be 0..31622400 seconds, got {delay!r}")
+        self.delay = delay
+        super().__init__(reason or (f"retry in {delay:g} s" if delay is not None else "retry"))
+
+
+class RateLimited(Retry):
+    """Raise inside a handler when a remote service says "slow down": the task runs
+    again ``retry_after`` seconds from now, no failure counted, and no worker starts a
+    task of this name (or of this ``limit_by`` value) before then (docs/limits.md)."""
+
+    def __init__(self, retry_after: float, reason: str = "") -> None:
+        super().__init__(retry_after, reason or f"rate limited for {retry_after:g} s")
+        self.retry_after = retry_after

@@ -29,6 +29,7 @@ from taskrunner.errors import (
     Fail,
     InvalidParams,
     MalformedTask,
+    Retry,
     StoreError,
     TaskRunnerError,
     UnknownHandler,
@@ -38,8 +39,9 @@ from taskrunner.models import TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
+from taskrunner.retries import delay as retry_delay
 from taskrunner.rules import RunStatus
-from taskrunner.store.base import Claim, RunWrite, RunWriteKind, Store
+from taskrunner.store.base import Claim, Failure, RunWrite, RunWriteKind, Store
 from taskrunner.writes import RunWrites
 
 MAX_RESULT_BYTES = 8 * 1024 * 1024
@@ -65,8 +67,13 @@ LEASE_ENDS = {
 
 @dataclass(frozen=True)
 class Outcome:
+    """How the handler ended: a result, an error (``final``: never retried), or a
+    ``snooze`` (run again that many seconds from now, no failure counted)."""
+
     result: Any = None
     error: TaskError | None = None
+    final: bool = False
+    snooze: float | None = None
 
 
 class UnstorableResult(TaskRunnerError):
@@ -135,7 +142,8 @@ class Execution:
         try:
             registration, params = self._prepare()
         except (UnknownHandler, InvalidParams) as exc:
-            await self._write(Outcome(error=error_of(exc)))
+            # Params the handler's model rejects fail the same way on every attempt.
+            await self._write(Outcome(error=error_of(exc), final=isinstance(exc, InvalidParams)))
             self.observer.finished(self.task, "failure", 0.0)
             return
         self.ctx = TaskContext(self.key, self.run_id, self.claim.entry.attempt, self.worker_id, params)
@@ -161,7 +169,10 @@ class Execution:
         outcome = self._handler.result() if with_outcome else None
         self.heartbeat.remove(self.run_id)
         seconds = time.monotonic() - self.started
-        if outcome is not None:
+        if outcome is not None and outcome.snooze is not None:
+            await self._snooze(outcome.snooze)
+            self.observer.finished(self.task, "snoozed", seconds)
+        elif outcome is not None:
             await self._write(outcome)
             self.observer.finished(self.task, "success" if outcome.error is None else "failure", seconds)
         elif self.stopped in RELEASING:
@@ -174,19 +185,24 @@ class Execution:
 
     # -- handler ----------------------------------------------------------------------------
     async def _attempts(self, registration: Registration, ctx: TaskContext) -> Outcome:
-        retries, backoff = self.task.options.local_retries, self.task.options.retry_backoff
-        for attempt in range(retries + 1):
+        options = self.task.options
+        for attempt in range(options.local_retries + 1):
             try:
                 return Outcome(result=storable(await self._call(registration, self.ctx or ctx)))
             except asyncio.CancelledError:
                 raise
-            except (Fail, UnstorableResult) as exc:
+            except Retry as exc:
+                later = exc.delay if exc.delay is not None else retry_delay(options, self.task.failures + 1)
+                return Outcome(snooze=later)
+            except Fail as exc:
+                return Outcome(error=error_of(exc), final=True)
+            except UnstorableResult as exc:  # the same result would be refused again at once
                 return Outcome(error=error_of(exc))
             except BaseException as exc:  # KeyboardInterrupt/SystemExit in a handler are its failures
-                if attempt == retries:
+                if attempt == options.local_retries:
                     return Outcome(error=error_of(exc))
                 self.log.warning("handler raised; retrying locally", error=repr(exc), retry=attempt + 1)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(retry_delay(options, attempt + 1))
         raise AssertionError("unreachable")
 
     async def _call(self, registration: Registration, ctx: TaskContext) -> Any:
@@ -236,7 +252,10 @@ class Execution:
     # -- writes --------------------------------------------------------------------------------
     async def _write(self, outcome: Outcome) -> None:
         kind: RunWriteKind = "success" if outcome.error is None else "failure"
-        value = outcome.result if outcome.error is None else outcome.error
+        value = outcome.result
+        if outcome.error is not None:
+            retry_in = None if outcome.final else retry_delay(self.task.options, self.task.failures + 1)
+            value = Failure(outcome.error, retry_in, outcome.final)
 
         async def write() -> None:
             result = await self.writes.submit(RunWrite(kind, self.key, self.run_id, self.worker_id, value))
@@ -257,6 +276,13 @@ class Execution:
             self.log.info("claim released", reason=self.stopped and self.stopped.value)
 
         await self._persist(release)
+
+    async def _snooze(self, seconds: float) -> None:
+        async def snooze() -> None:
+            await self.store.snooze(self.key, self.run_id, seconds)
+            self.log.info("run snoozed", seconds=seconds)
+
+        await self._persist(snooze)
 
     async def _persist(self, write: Any) -> None:
         """Retry a final write until it lands, the claim is lost, or the lease must be gone."""

@@ -5,13 +5,15 @@ A task document (collection ``taskrunner.tasks`` by default)::
     {
       _id, key, name, params, priority,
       created_at, updated_at, run_at,          # BSON dates, server time
-      options: {concurrency, max_failures, local_retries, retry_backoff,
-                ping_interval, ping_timeout, worker_ids, timeout},
+      options: {concurrency, max_failures, local_retries, retry_backoff, backoff,
+                backoff_factor, backoff_cap, ping_interval, ping_timeout, worker_ids, timeout},
       workers: [{worker_id, run_id, state, claimed_at, ping_at, expires_at,
                  attempt, progress, result, error: {type, message, traceback},
                  finished_at, took_over}],
       state,           # summary: PENDING | RUNNING | SUCCESS | FAIL | CANCELED
       failures,        # task-wide failure count (the max_failures budget)
+      fatal,           # true after a failure that is not retried (Fail, invalid params): FAIL at once
+      snoozes,         # runs that ended by Retry / ctx.snooze / RateLimited (no failure counted)
       attempts,        # claims made so far
       claimable_at,    # earliest time a new worker may claim; absent when finished
       finished_at,     # when the task reached SUCCESS, FAIL or CANCELED (TTL retention)
@@ -45,6 +47,8 @@ FAILURES: Final = "failures"
 ATTEMPTS: Final = "attempts"
 CLAIMABLE_AT: Final = "claimable_at"
 PUBLISH_ID: Final = "publish_id"
+FATAL: Final = "fatal"
+SNOOZES: Final = "snoozes"
 BUCKET: Final = "bucket"
 BUCKETS: Final = 1024
 """Tasks spread over this many buckets; each worker's change stream hears the inserts of
@@ -56,6 +60,9 @@ CONCURRENCY: Final = "concurrency"
 MAX_FAILURES: Final = "max_failures"
 LOCAL_RETRIES: Final = "local_retries"
 RETRY_BACKOFF: Final = "retry_backoff"
+BACKOFF: Final = "backoff"
+BACKOFF_FACTOR: Final = "backoff_factor"
+BACKOFF_CAP: Final = "backoff_cap"
 PING_INTERVAL: Final = "ping_interval"
 PING_TIMEOUT: Final = "ping_timeout"
 WORKER_IDS: Final = "worker_ids"
@@ -107,10 +114,17 @@ NEXT_AT: Final = "next_at"
 LAST_TICK: Final = "last_tick"
 LAST_KEY: Final = "last_key"
 DECLARED_AT: Final = "declared_at"
+PAUSED_AT: Final = "paused_at"
 RESUMED_AT: Final = "resumed_at"
 SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
                               JITTER, GRACE)  # fmt: skip
 """Fields a worker writes from its app's code at start; the rest is the schedule's state."""
+
+
+# -- flow control by task name (collection "<tasks collection>.limits"; docs/limits.md) ----------
+LIMITS_SUFFIX: Final = "limits"
+# A document's _id is the task name ("*": every name); it holds PAUSED, PAUSED_AT, RESUMED_AT,
+# UPDATED_AT. The registry's PAUSED lists the names a worker has paused right now.
 
 
 def opt(name: str) -> str:

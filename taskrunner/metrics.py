@@ -63,6 +63,12 @@ class PrometheusObserver:
             label,
             registry=reg,
         )
+        self.snoozes = Counter(
+            "taskrunner_snoozes",
+            "Runs that asked to run again later without a failure (Retry, ctx.snooze, RateLimited).",
+            label,
+            registry=reg,
+        )
         self.running = Gauge("taskrunner_in_flight", "Runs in progress in this worker.", registry=reg)
         self.pickup = Histogram(
             "taskrunner_pickup_latency_seconds",
@@ -77,6 +83,7 @@ class PrometheusObserver:
         )  # fmt: skip
         self._by_outcome: dict[Outcome, Counter] = {
             "success": self.successes, "failure": self.failures, "lost": self.lost, "released": self.releases,
+            "snoozed": self.snoozes,
         }  # fmt: skip
         for name in tasks:
             for counter in (self.claims, self.takeovers, *self._by_outcome.values()):

@@ -10,7 +10,7 @@ import enum
 import math
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 import bson
 from pydantic import (
@@ -18,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainValidator,
     ValidationError,
     field_validator,
     model_validator,
@@ -71,6 +72,22 @@ def to_utc(value: object) -> object:
 
 
 Seconds = Annotated[float, BeforeValidator(to_seconds)]
+BACKOFF_POLICIES = ("exponential", "fixed")
+
+
+def to_backoff(value: object) -> str | float:
+    """A backoff policy name, or a fixed delay in seconds (number or ``timedelta``)."""
+    if isinstance(value, str):
+        if value not in BACKOFF_POLICIES:
+            raise ValueError(f"must be 'exponential', 'fixed' or a number of seconds, got {value!r}")
+        return value
+    seconds = to_seconds(value)
+    if not isinstance(seconds, int | float) or not 0 <= seconds <= 30 * 86_400:
+        raise ValueError(f"must be 'exponential', 'fixed' or 0..2592000 seconds, got {value!r}")
+    return float(seconds)
+
+
+Backoff = Annotated[Literal["exponential", "fixed"] | float, PlainValidator(to_backoff)]
 UtcDatetime = Annotated[datetime, BeforeValidator(to_utc)]
 
 
@@ -100,7 +117,15 @@ class TaskOptions(BaseModel):
     local_retries: int = Field(0, ge=0, le=100)
     """In-process retries of a crashing handler before a failure is recorded."""
     retry_backoff: Seconds = Field(10.0, ge=0, le=30 * DAY)
-    """Delay before a local retry, and before the task is claimable after a failure."""
+    """The base delay, in seconds, before a retry (local, or a new claim after a failure):
+    ``backoff="fixed"`` waits exactly this long."""
+    backoff: Backoff = "exponential"
+    """How retries are spaced (docs/retries.md): ``"exponential"`` waits a random time up
+    to ``min(backoff_cap, retry_backoff * backoff_factor ** (failures - 1))`` (full jitter),
+    ``"fixed"`` waits ``retry_backoff``, a number waits that many seconds. Setting
+    ``retry_backoff`` alone means ``"fixed"``, as before backoff policies existed."""
+    backoff_factor: float = Field(2.0, ge=1, le=100)
+    backoff_cap: Seconds = Field(3600.0, ge=0, le=30 * DAY)
     ping_interval: Seconds = Field(5.0, gt=0, le=DAY)
     ping_timeout: Seconds = Field(30.0, gt=0, le=7 * DAY)
     worker_ids: list[str] = Field(default_factory=list, max_length=1000)
@@ -108,6 +133,13 @@ class TaskOptions(BaseModel):
     timeout: Seconds | None = Field(None, gt=0, le=7 * DAY)
     """An optional per-task timeout cancels a hanging handler: each call (attempt) of the
     handler gets this many seconds, then fails with ``TimeoutError``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _explicit_delay_is_fixed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and f.RETRY_BACKOFF in data and f.BACKOFF not in data:
+            return {**data, f.BACKOFF: "fixed"}
+        return data
 
     @field_validator("worker_ids")
     @classmethod
@@ -221,6 +253,12 @@ class NewTask(BaseModel):
             raise invalid_task(exc) from None
 
 
+def first_error(exc: ValidationError) -> str:
+    """The first problem of a validation error as ``dotted.path: message``."""
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+
+
 def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
     """The first validation error as an ``InvalidTask`` naming its dotted field path."""
     err = exc.errors()[0]
@@ -245,6 +283,10 @@ class Task(BaseModel):
     state: TaskState
     failures: int = 0
     attempts: int = 0
+    fatal: bool = False
+    """A failure that is never retried ended the task (``Fail``, params the handler rejects)."""
+    snoozes: int = 0
+    """Runs that ended by ``Retry``, ``ctx.snooze`` or ``RateLimited``: rescheduled, no failure counted."""
     claimable_at: UtcDatetime | None = None
     finished_at: UtcDatetime | None = None
     bucket: Bucket = None
@@ -257,9 +299,7 @@ class Task(BaseModel):
         try:
             return cls.model_validate({**doc, "created": created})
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), f"{where}: {err['msg']}") from None
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), first_error(exc)) from None
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
@@ -307,6 +347,8 @@ class WorkerInfo(BaseModel):
     """Set by ``taskrunner stop-worker``; the worker shuts down gracefully at its next beat."""
     schedules: list[str] = Field(default_factory=list)
     """Ids of the schedules its app declares (it fires them)."""
+    paused: list[str] = Field(default_factory=list)
+    """Names it serves but does not claim now: paused (``taskrunner pause``)."""
 
 
 class TaskStats(BaseModel):
@@ -320,6 +362,10 @@ class TaskStats(BaseModel):
     finished_last_hour: int
     """Runs (worker entries) that succeeded or failed in the last hour."""
     failed_last_hour: int
+    paused: list[str] = Field(default_factory=list)
+    """Task names paused (``taskrunner pause``); ``"*"`` when every name is."""
+    unserved: dict[str, int] = Field(default_factory=dict)
+    """Task name -> PENDING tasks, for names no live worker serves (a typo, a missing deploy)."""
 
     @property
     def failure_rate_last_hour(self) -> float | None:

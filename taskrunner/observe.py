@@ -6,8 +6,9 @@ from typing import Literal, Protocol
 
 from taskrunner.models import Task, WorkerEntry
 
-Outcome = Literal["success", "failure", "lost", "released"]
-"""How a run ended: its own result or error, its claim lost (or self-fenced), or released."""
+Outcome = Literal["success", "failure", "lost", "released", "snoozed"]
+"""How a run ended: its own result or error, its claim lost (or self-fenced), released, or
+snoozed (``Retry``: run again later, no failure counted)."""
 
 
 class WorkerObserver(Protocol):

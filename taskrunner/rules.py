@@ -82,6 +82,8 @@ def _summary_state(doc: Doc) -> str:
     failures = _num(doc.get(f.FAILURES)) or 0.0
     if doc.get(f.STATE) == TaskState.CANCELED.value:
         return TaskState.CANCELED.value
+    if doc.get(f.FATAL) is True:
+        return TaskState.FAIL.value
     if concurrency is None or successes(doc) >= concurrency:
         return TaskState.SUCCESS.value
     if any(is_running(w) for w in _entries(doc)):
@@ -228,13 +230,30 @@ def apply_success(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
     summarize(doc, now)
 
 
-def apply_failure(doc: Doc, entry: Doc, error: Doc, now: datetime) -> None:
-    """Record the failure; the task is claimable again after ``retry_backoff``."""
+def apply_failure(
+    doc: Doc, entry: Doc, error: Doc, now: datetime, retry_in: float | None = None, final: bool = False
+) -> None:
+    """Record the failure. A ``final`` one ends the task FAIL (``fatal``) without spending
+    budget; otherwise it counts, and the task is claimable again ``retry_in`` seconds
+    from now (None: ``retry_backoff``)."""
     entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: error, f.FINISHED_AT: now})
+    if final:
+        doc[f.FATAL] = True
+        summarize(doc, now)
+        return
     doc[f.FAILURES] = doc[f.FAILURES] + 1
-    retry_at = now + timedelta(seconds=_num(option(doc, f.RETRY_BACKOFF)) or 0)
+    seconds = _num(option(doc, f.RETRY_BACKOFF)) if retry_in is None else retry_in
+    retry_at = now + timedelta(seconds=seconds or 0)
     run_at = doc.get(f.RUN_AT)
     doc[f.RUN_AT] = max(run_at, retry_at) if isinstance(run_at, datetime) else retry_at
+    summarize(doc, now)
+
+
+def apply_snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
+    """Give the claim back and run again ``seconds`` from now; no failure is counted."""
+    doc[f.WORKERS] = [w for w in _entries(doc) if w is not entry]
+    doc[f.RUN_AT] = now + timedelta(seconds=seconds)
+    doc[f.SNOOZES] = int(_num(doc.get(f.SNOOZES)) or 0) + 1
     summarize(doc, now)
 
 
@@ -384,6 +403,7 @@ RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
 def apply_retry(doc: Doc, now: datetime) -> None:
     """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history."""
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
+    doc.pop(f.FATAL, None)
     summarize(doc, now)
 
 

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
@@ -21,8 +22,10 @@ from taskrunner.errors import (
     StoreError,
     StoreUnavailable,
     TaskNotFound,
+    UnknownTaskName,
     WaitTimeout,
 )
+from taskrunner.limits import ALL, LimitState
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
 from taskrunner.registry import Registration, Registry, plain_params
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
@@ -99,6 +102,7 @@ class TaskRunner:
         jitter: Duration | None = None,
         grace: Duration = DEFAULT_GRACE,
         priority: int = 0,
+        allow_unknown: bool = False,
         **options: Any,
     ) -> Schedule:
         """Declare a recurring task: ``cron`` (5 fields, or 6 with leading seconds, in
@@ -106,7 +110,8 @@ class TaskRunner:
         ``<id>@<tick, UTC ISO 8601>``; workers of this app store and fire it. Errors name
         the field at declaration (``InvalidSchedule``); see docs/schedules.md."""
         probe = self.new_task(
-            {"name": name, "params": params, "priority": priority, "key": "probe", **options}
+            {"name": name, "params": params, "priority": priority, "key": "probe", **options},
+            allow_unknown=allow_unknown,
         )
         schedule = declare(name=name, schedule_id=id, cron=cron, every=every, timezone=timezone,
                            params=probe.params, priority=priority, options=options, catch_up=catch_up,
@@ -168,17 +173,22 @@ class TaskRunner:
         delay: Duration | None = None,
         update_pending: bool = False,
         republish_finished: bool = False,
+        allow_unknown: bool = False,
         **options: Any,
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
 
         ``update_pending`` rewrites params, priority, run time and options of a task no
-        worker has started; ``republish_finished`` starts a finished key afresh.
+        worker has started; ``republish_finished`` starts a finished key afresh. A runner
+        with handlers refuses a name none of them has (``UnknownTaskName``) unless
+        ``allow_unknown``: the task is for workers of another app.
         """
         spec = {"name": name, "params": params, "key": key, "priority": priority,
                 "run_at": run_at, "delay": delay, **options}  # fmt: skip
         [task] = await self.store.publish(
-            [self.new_task(spec)], update_pending=update_pending, republish_finished=republish_finished
+            [self.new_task(spec, allow_unknown=allow_unknown)],
+            update_pending=update_pending,
+            republish_finished=republish_finished,
         )
         return task
 
@@ -188,15 +198,17 @@ class TaskRunner:
         *,
         update_pending: bool = False,
         republish_finished: bool = False,
+        allow_unknown: bool = False,
     ) -> list[Task]:
         """Publish many tasks in one write; each item takes ``publish``'s keywords."""
-        new = [_at_index(i, self.new_task, spec) for i, spec in enumerate(tasks)]
+        build = partial(self.new_task, allow_unknown=allow_unknown)
+        new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
         return await self.store.publish(
             new, update_pending=update_pending, republish_finished=republish_finished
         )
 
-    def new_task(self, spec: Mapping[str, Any]) -> NewTask:
+    def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""
         unknown = set(spec) - TASK_FIELDS - OPTION_NAMES
         if unknown:
@@ -208,6 +220,9 @@ class TaskRunner:
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
         registration = self.registry.find(name)
+        known = self.registry.names()
+        if registration is None and known and not allow_unknown:
+            raise UnknownTaskName(name, known)
         params = (
             registration.validate(spec.get("params") or {})
             if registration
@@ -298,7 +313,31 @@ class TaskRunner:
         return await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
 
     async def stats(self) -> TaskStats:
-        return await self.store.stats()
+        """Counts by name and state, the last hour's runs, and the names of pending tasks
+        no live worker serves (from the worker registry)."""
+        numbers = await self.store.stats()
+        served = {name for worker in await self.workers() for name in worker.names}
+        unserved = {name: counts[TaskState.PENDING] for name, counts in sorted(numbers.counts.items())
+                    if counts.get(TaskState.PENDING) and name not in served}  # fmt: skip
+        return numbers.model_copy(update={"unserved": unserved, "paused": await self.paused()})
+
+    async def pause(self, name: str) -> LimitState:
+        """Stop claiming tasks of ``name`` (``"*"``: every name) on every worker within a
+        second; running tasks finish and publishing goes on (docs/limits.md)."""
+        return await self.store.pause(_limit_name(name), True)
+
+    async def resume(self, name: str) -> list[LimitState]:
+        """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one)."""
+        if _limit_name(name) != ALL:
+            return [await self.store.pause(name, False)]
+        stored = await self.store.limits()
+        paused = [n for n, s in stored.items() if isinstance(s, LimitState) and s.paused]
+        return [await self.store.pause(n, False) for n in paused]
+
+    async def paused(self) -> list[str]:
+        """Names paused now (``"*"`` when every name is)."""
+        stored = await self.store.limits()
+        return [n for n, s in stored.items() if isinstance(s, LimitState) and s.paused]
 
     async def workers(self) -> list[WorkerInfo]:
         """Live workers from the registry (dead ones age out after their last beat)."""
@@ -401,7 +440,9 @@ def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: M
     try:
         return build(spec)
     except InvalidTask as exc:
-        raise type(exc)(f"tasks[{index}].{exc.field}", exc.message) from None
+        exc.field = f"tasks[{index}].{exc.field}"  # the same error, placed in the batch
+        exc.args = (f"{exc.field}: {exc.message}",)
+        raise
 
 
 def _check_unique_keys(tasks: Sequence[NewTask]) -> None:
@@ -410,6 +451,12 @@ def _check_unique_keys(tasks: Sequence[NewTask]) -> None:
         if task.key in seen:
             raise InvalidTask(f"tasks[{i}].key", f"duplicate key {task.key!r} in one publish_many call")
         seen.add(task.key)
+
+
+def _limit_name(name: str) -> str:
+    if name != ALL:
+        NewTask.build(key="-", name=name)  # the name rules of tasks; InvalidTask names the problem
+    return name
 
 
 def _check_option_names(options: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from taskrunner.errors import InvalidSchedule, StoreError
-from taskrunner.models import NewTask, Task, UtcDatetime
+from taskrunner.models import NewTask, Task, UtcDatetime, first_error, invalid_task
 from taskrunner.recurrence import CATCH_UPS, CatchUp, Recurrence, due, duration, iso, parse, tick_key
 from taskrunner.redact import redact
 
@@ -101,8 +101,7 @@ class ScheduleState(Schedule):
             state = cls.model_validate(doc)
             state.recurrence  # noqa: B018 - validates cron, every and timezone
         except ValidationError as exc:
-            first = exc.errors()[0]
-            return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+            return first_error(exc)
         except InvalidSchedule as exc:
             return str(exc)
         return state
@@ -156,8 +155,7 @@ def declare(
     try:
         return Schedule.model_validate(spec)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise InvalidSchedule(".".join(str(p) for p in first["loc"]), first["msg"]) from None
+        raise invalid_task(exc, cls=InvalidSchedule) from None
 
 
 def _seconds(field: str, value: timedelta | float) -> float:

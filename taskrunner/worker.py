@@ -41,6 +41,7 @@ from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.fields import BUCKETS
 from taskrunner.heartbeat import Heartbeat
+from taskrunner.limits import LimitWatch
 from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
@@ -150,6 +151,7 @@ class Worker:
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
+        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed)
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
@@ -181,7 +183,8 @@ class Worker:
         """Queue ``task`` at the time this worker may claim it, if this worker should:
         ``worker_ids`` name it or it owns the task; with ``steal``, also when its owner let
         the grace pass. Returns whether it was queued."""
-        at = rules.next_claim(task, self.worker_id) if task.name in self.names else None
+        claimable = task.name in self.names and task.name not in self.limits.paused
+        at = rules.next_claim(task, self.worker_id) if claimable else None
         if at is None:
             self.queue.discard(task.key)
             return False
@@ -191,9 +194,19 @@ class Worker:
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
-            self.queue.put(task.key, when, rank, fresh=fresh)
+            self.queue.put(task.key, when, rank, fresh=fresh, name=task.name)
             return True
         return False
+
+    def active_names(self) -> list[str]:
+        """The names this worker claims now: its handlers' names less the paused ones."""
+        return sorted(self.names - self.limits.paused)
+
+    def _paused_changed(self, paused: frozenset[str]) -> None:
+        """Drop queued tasks of newly paused names; sweep at once for resumed ones' backlog."""
+        self.log.info("paused names changed", paused=sorted(paused))
+        self.queue.drop_names(paused)
+        self.sweep_at(None)
 
     def rank(self, task: Task) -> int:
         """This worker's place in the rendezvous-hash order of the live peers (from the
@@ -209,7 +222,7 @@ class Worker:
             raise ConfigurationError("the app registers no handlers: nothing to run")
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
         side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
-                "clock": self._clock_loop, "registry": self._registry_loop}  # fmt: skip
+                "clock": self._clock_loop, "registry": self._registry_loop, "limits": self._limits_loop}  # fmt: skip
         if self.runner.schedules:
             side["scheduler"] = self._schedule_loop
         tasks = {
@@ -301,7 +314,7 @@ class Worker:
         key = None if due[0].key == KEYLESS else due[0].key
         try:
             claim = await self.store.claim(
-                self.worker_id, key=key, names=sorted(self.names), fresh=due[0].fresh
+                self.worker_id, key=key, names=self.active_names(), fresh=due[0].fresh
             )
         except MalformedTask as exc:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
@@ -323,7 +336,7 @@ class Worker:
             claimed = await self.store.claim_many(
                 self.worker_id,
                 [d.key for d in due],
-                names=sorted(self.names),
+                names=self.active_names(),
                 fresh=all(d.fresh for d in due),
             )
         except StoreError as exc:
@@ -360,8 +373,11 @@ class Worker:
         # meanwhile is seen (and the owner queues it for the moment it expires).
         horizon = datetime.fromtimestamp(now + quiet, UTC)
         limit = BUSY_SWEEP_LIMIT if own_work else SWEEP_LIMIT
+        names = self.active_names()
+        if not names:  # everything paused: resuming asks for a sweep
+            return
         try:
-            page = await self.store.due(self.worker_id, sorted(self.names), horizon=horizon, limit=limit)
+            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=limit)
         except StoreError as exc:
             self.sweep_at(now + self._claims.failed(exc))
             return
@@ -450,6 +466,11 @@ class Worker:
             except StoreError as exc:
                 self._clock_outage.failed(exc)  # the next sync is a minute away anyway
 
+    async def _limits_loop(self) -> None:
+        """Follow the limit documents of this worker's names (taskrunner.limits)."""
+        outage = Outage(self.log, "cannot read the limits; retrying", "limits readable again", cap=3.0)
+        await self.limits.run(self._stop, outage)
+
     async def _schedule_loop(self) -> None:
         """Fire the app's schedules (taskrunner.schedules), once the peers are known."""
         await self._peers_known.wait()
@@ -475,7 +496,7 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
                           started_at=self.started_at, names=sorted(self.names), concurrency=self.concurrency,
                           running=running, version=__version__,
-                          schedules=sorted(self.runner.schedules))  # fmt: skip
+                          schedules=sorted(self.runner.schedules), paused=sorted(self.limits.paused))  # fmt: skip
 
     async def _registry_loop(self) -> None:
         """Heartbeat into the registry and learn the live peers (for claim ranks)."""

@@ -192,6 +192,19 @@ async def _load_sample(uri: str, database: str) -> None:
         await backdate("rep:3", B, claimed_at=timedelta(hours=2))
         await publish("report", "rep:4")
         await store.cancel("rep:4")
+        # mail:5 failed on A with budget left: PENDING, its next attempt ten minutes away.
+        await publish("email", "mail:5")
+        error = TaskError(type="SMTPError", message="greylisted")
+        await store.fail("mail:5", await claim(A, "mail:5"), error, retry_in=600)
+        # rep:5 raised Fail on B: FAIL at once (fatal), its budget untouched.
+        await publish("report", "rep:5")
+        await store.fail(
+            "rep:5", await claim(B, "rep:5"), TaskError(type="Fail", message="no such team"), final=True
+        )
+        # img:45 snoozed on A for ten minutes; the name "digest" is paused.
+        await publish("resize", "img:45")
+        await store.snooze("img:45", await claim(A, "img:45"), 600)
+        await runner.pause("digest")
         # The registry: A and B beat; C stopped beating a minute ago.
         # Hour-long registrations: the live workers must stay live however slowly mongosh runs.
         for worker_id, names, running, ttl in (

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from taskrunner import InvalidParams, InvalidTask, MemoryStore, TaskContext, TaskRunner, TaskState
+from taskrunner import (
+    InvalidParams,
+    InvalidTask,
+    MemoryStore,
+    TaskContext,
+    TaskRunner,
+    TaskState,
+    UnknownTaskName,
+)
 
 
 class ResizeParams(BaseModel):
@@ -73,13 +81,26 @@ async def test_invalid_params_raise_invalid_params(runner: TaskRunner) -> None:
 
 
 async def test_unregistered_names_take_plain_json_dicts(runner: TaskRunner) -> None:
-    """A service without the handlers publishes plain dicts; non-BSON values are refused."""
-    task = await runner.publish("elsewhere", {"any": ["thing", 1]})
+    """A name of another app's handlers (``allow_unknown``) takes plain dicts; non-BSON values are refused."""
+    task = await runner.publish("elsewhere", {"any": ["thing", 1]}, allow_unknown=True)
     assert task.params == {"any": ["thing", 1]} and len(task.key) == 32
     with pytest.raises(InvalidTask, match="params"):
-        await runner.publish("elsewhere", {"s": {1, 2}})
+        await runner.publish("elsewhere", {"s": {1, 2}}, allow_unknown=True)
     with pytest.raises(InvalidTask, match="params"):
-        await runner.publish("elsewhere", {"big": "x" * (16 * 1024 * 1024)})
+        await runner.publish("elsewhere", {"big": "x" * (16 * 1024 * 1024)}, allow_unknown=True)
+
+
+async def test_a_runner_with_handlers_refuses_names_it_has_no_handler_for(runner: TaskRunner) -> None:
+    """A typo'd name is refused at publish (``UnknownTaskName``, an ``InvalidTask`` naming ``name``
+    and the known names), in a batch by its index; nothing is written. A runner without any
+    handler (a service that only publishes) accepts every name."""
+    with pytest.raises(UnknownTaskName, match=r"^name: .*'resze'.*known: resize"):
+        await runner.publish("resze", {"width": 1})
+    with pytest.raises(InvalidTask, match=r"tasks\[1\]\.name"):
+        await runner.publish_many([{"name": "resize", "params": {"width": 1}}, {"name": "resze"}])
+    assert await runner.store.count() == 0
+    publisher = TaskRunner(store=runner.store)
+    assert (await publisher.publish("resze", key="typo")).name == "resze"
 
 
 async def test_publish_many_validates_everything_before_writing(runner: TaskRunner) -> None:
@@ -89,7 +110,7 @@ async def test_publish_many_validates_everything_before_writing(runner: TaskRunn
             [{"name": "resize", "params": {"width": 1}}, {"name": "resize", "params": {}}]
         )
     with pytest.raises(InvalidTask, match=r"tasks\[1\]\.key"):
-        await runner.publish_many([{"name": "x", "key": "a"}, {"name": "x", "key": "a"}])
+        await runner.publish_many([{"name": "resize", "params": {"width": 1}, "key": "a"}] * 2)
     assert await runner.store.count() == 0
     tasks = await runner.publish_many([{"name": "resize", "params": {"width": i}} for i in range(3)])
     assert [t.params["width"] for t in tasks] == [0, 1, 2] and all(t.created for t in tasks)

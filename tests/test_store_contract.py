@@ -28,7 +28,7 @@ from taskrunner.errors import ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.rules import RunStatus
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, RunWrite, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunWrite, Store
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]
@@ -207,6 +207,49 @@ async def test_failure_spends_budget_and_waits_for_backoff(store: Store) -> None
     assert second is not None
     done = await store.fail("flaky", second.run_id, TaskError(type="ValueError", message="again"))
     assert done.state is TaskState.FAIL and done.claimable_at is None
+
+
+async def test_failure_waits_the_delay_the_worker_chose(store: Store) -> None:
+    """``retry_in`` (the worker's backoff) moves ``run_at`` to server now plus that many seconds."""
+    await publish(store, task("later", options={"retry_backoff": 0}))
+    claim = await store.claim("w1", key="later")
+    assert claim is not None
+    failed = await store.fail("later", claim.run_id, TaskError(type="E", message="m"), retry_in=120)
+    finished_at = failed.workers[0].finished_at
+    assert failed.state is TaskState.PENDING and failed.failures == 1 and finished_at is not None
+    assert failed.run_at == failed.claimable_at
+    assert 119 <= (failed.run_at - finished_at).total_seconds() <= 121
+    assert await store.claim("w2", key="later") is None
+
+
+async def test_final_failure_ends_the_task_without_spending_budget(store: Store) -> None:
+    """A final failure (``Fail``, invalid params) makes the task FAIL at once with ``fatal``;
+    its failure count stays, and an operator's retry clears ``fatal`` for a fresh start."""
+    await publish(store, task("doomed", options={"max_failures": 5}))
+    claim = await store.claim("w1", key="doomed")
+    assert claim is not None
+    failed = await store.fail("doomed", claim.run_id, TaskError(type="Fail", message="no"), final=True)
+    assert failed.state is TaskState.FAIL and failed.fatal and failed.failures == 0
+    assert failed.claimable_at is None and failed.finished_at is not None
+    assert await store.claim("w2", key="doomed") is None
+    again = await store.retry("doomed")
+    assert again.state is TaskState.PENDING and not again.fatal
+    assert await store.claim("w2", key="doomed") is not None
+
+
+async def test_snooze_reschedules_without_a_failure(store: Store) -> None:
+    """A snoozed run gives its claim back: PENDING, no failure, no entry, ``snoozes`` counted,
+    claimable that many seconds later (server time); the change stream wakes workers."""
+    await publish(store, task("nap"))
+    claim = await store.claim("w1", key="nap")
+    assert claim is not None
+    napped = await store.snooze("nap", claim.run_id, 60)
+    assert napped.state is TaskState.PENDING and napped.failures == 0 and napped.workers == []
+    assert napped.snoozes == 1 and napped.claimable_at == napped.run_at
+    assert 59 <= (napped.run_at - napped.updated_at).total_seconds() <= 61
+    assert await store.claim("w1", key="nap") is None
+    with pytest.raises(ClaimLost):
+        await store.snooze("nap", claim.run_id, 1)
 
 
 async def test_release_returns_the_claim_without_spending_budget(store: Store) -> None:
@@ -513,17 +556,19 @@ async def test_registry_lists_live_workers_until_they_expire(store: Store) -> No
 
 
 async def test_claiming_an_unreadable_document_records_a_failure(store: Store, raw_insert: Raw) -> None:
-    """A claimable document that cannot be read fails that run (MalformedTask) instead of looping."""
+    """A claimable document that cannot be read fails at once (MalformedTask, ``fatal``), with
+    budget left, instead of looping; its failure count is not touched."""
     past = datetime.now(UTC) - timedelta(hours=1)
     await raw_insert({"key": "odd", "name": "job", "params": "not-an-object", "priority": "high",
                       "created_at": past, "updated_at": past, "run_at": past, "claimable_at": past,
                       "state": "PENDING", "failures": 0, "attempts": 0, "workers": [],
-                      "options": {"concurrency": 1, "max_failures": 1, "ping_timeout": 5, "worker_ids": []}})  # fmt: skip
+                      "options": {"concurrency": 1, "max_failures": 3, "ping_timeout": 5, "worker_ids": []}})  # fmt: skip
     with pytest.raises(MalformedTask, match="params"):
         await store.claim("w1")
-    assert await store.claim("w2") is None  # its one failure spent the budget
+    assert await store.claim("w2") is None
     [doc] = [d async for d in _raw_docs(store)]
-    assert doc["state"] == "FAIL" and doc["failures"] == 1
+    assert doc["state"] == "FAIL" and doc["failures"] == 0 and doc["fatal"] is True
+    assert "claimable_at" not in doc
     assert doc["workers"][0]["state"] == "FAIL" and doc["workers"][0]["error"]["type"] == "MalformedTask"
 
 
@@ -594,7 +639,7 @@ async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(
 
     results = await store.write_runs([
         write("ping", "r0", {"p": 1}), write("ping", "r1"), write("ping", "r2"),
-        write("success", "r3", 42), write("failure", "r1", TaskError(type="X", message="m")),
+        write("success", "r3", 42), write("failure", "r1", Failure(TaskError(type="X", message="m"))),
     ])  # fmt: skip
     assert results == [RunStatus.DONE, RunStatus.LOST, RunStatus.CANCELED, RunStatus.DONE, RunStatus.LOST]
     # A retried outcome whose first try landed reports DONE and changes nothing.

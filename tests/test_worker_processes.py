@@ -17,18 +17,13 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
-from workers import ChangeRecorder, WorkerPool, wait_exit, wait_for
+from workers import ChangeRecorder, WorkerPool, finished, wait_exit, wait_for
 
-from taskrunner import EntryState, NewTask, Task, TaskRunner, TaskState, WorkerEntry, rules
+from taskrunner import EntryState, NewTask, TaskRunner, TaskState, WorkerEntry, rules
 
 pytestmark = pytest.mark.mongo
 
 Doc = dict[str, Any]
-
-
-async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
-    tasks = [await runner.get(key) for key in keys]
-    return tasks if all(t.state.finished for t in tasks) else None
 
 
 async def test_many_tasks_each_run_exactly_once_spread_over_workers(
@@ -367,12 +362,12 @@ async def test_bad_input_never_stops_a_worker(
     assert errors["interrupt"] is not None and errors["interrupt"].type == "KeyboardInterrupt"
     assert errors["interrupt-sync"] is not None and errors["interrupt-sync"].type == "KeyboardInterrupt"
     assert not pool.marks(key="bad-params")  # invalid params never reach the handler
-    # Unreadable documents: one is never claimed; the claimable one spends a failure instead of running.
+    # Unreadable documents: one is never claimed; the claimable one ends FAIL at once instead of running.
     assert untouched is not None and "workers" not in untouched
     assert rejected is not None and [(w["state"], w["error"]["type"]) for w in rejected["workers"]] == [
         ("FAIL", "MalformedTask")
     ]
-    assert rejected["failures"] == 1 and not pool.marks(key="malformed-2")
+    assert rejected["fatal"] is True and rejected["state"] == "FAIL" and not pool.marks(key="malformed-2")
     assert worker.find("claimed an unreadable task; recorded as its failure")
     assert not [
         e for e in worker.logs() if e.get("event") in ("side task crashed; restarting", "run crashed")

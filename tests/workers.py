@@ -40,6 +40,8 @@ from typing import Any, TypeVar, overload
 
 from pymongo import AsyncMongoClient
 
+from taskrunner import Task, TaskRunner
+
 TESTS_DIR = Path(__file__).resolve().parent
 ACCEPTANCE_APP = "apps.acceptance_app:runner"
 T = TypeVar("T")
@@ -201,6 +203,12 @@ async def wait_for(condition: Callable[[], Any], within: float, what: str, *, in
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
+    """The tasks, once every one of them is SUCCESS, FAIL or CANCELED (for ``wait_for``)."""
+    tasks = [await runner.get(key) for key in keys]
+    return tasks if all(t.state.finished for t in tasks) else None
 
 
 async def wait_exit(worker: WorkerProcess, within: float) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
+from taskrunner.limits import LimitState
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
 from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
@@ -48,9 +49,19 @@ class Claimed:
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed run's outcome: its error; seconds until the task may run again (None:
+    its ``retry_backoff``); ``final`` ends the task FAIL at once, no budget spent."""
+
+    error: TaskError
+    retry_in: float | None = None
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RunWrite:
     """One fenced write for one run: a lease renewal (``value`` is progress or None),
-    or its outcome (``value`` is the result, or the ``TaskError`` of a failure)."""
+    or its outcome (``value`` is the result, or the ``Failure``)."""
 
     kind: RunWriteKind
     key: str
@@ -223,10 +234,17 @@ class Store(Protocol):
 
     async def succeed(self, key: str, run_id: str, result: Any = None) -> Task: ...
 
-    async def fail(self, key: str, run_id: str, error: TaskError) -> Task: ...
+    async def fail(
+        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
+    ) -> Task:
+        """Record the run's failure (see ``Failure``)."""
 
     async def release(self, key: str, run_id: str) -> Task:
         """Give the claim back without spending the failure budget."""
+
+    async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
+        """Give the claim back and make the task claimable ``seconds`` from server now,
+        without counting a failure (``snoozes`` counts these)."""
 
     async def cancel(self, key: str) -> Task:
         """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
@@ -269,6 +287,14 @@ class Store(Protocol):
     async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
         """Pause or resume (ticks that came due while paused never fire); raises
         ``ScheduleNotFound``."""
+
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+        """Stored limit documents by task name (all, or those of ``names`` that exist); an
+        unreadable document is a message naming its problem."""
+
+    async def pause(self, name: str, paused: bool) -> LimitState:
+        """Pause or resume claiming tasks of ``name`` (``"*"``: every name); the document
+        is created when missing."""
 
     async def watch(
         self,

@@ -91,6 +91,7 @@ def summary_stages() -> list[Expr]:
         "$switch": {
             "branches": [
                 {"case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]}, "then": TaskState.CANCELED.value},
+                {"case": {"$eq": [f.ref(f.FATAL), True]}, "then": TaskState.FAIL.value},
                 {"case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
                  "then": TaskState.SUCCESS.value},
                 {"case": {"$gt": [count(IS_RUNNING), 0]}, "then": TaskState.RUNNING.value},
@@ -381,11 +382,25 @@ def quick_success(key: str, run_id: str, result: Any) -> tuple[dict[str, Any], d
     return query, update, [{f"{run}.{f.RUN_ID}": run_id}]
 
 
-def failure_update(run_id: str, error: dict[str, Any]) -> list[Expr]:
+def failure_update(
+    run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False
+) -> list[Expr]:
+    """``rules.apply_failure``: a final failure sets ``fatal``; any other spends one
+    failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``)."""
     changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: NOW}
-    retry_at = {"$max": [f.ref(f.RUN_AT), after_now(f.opt(f.RETRY_BACKOFF))]}
-    counters = {f.FAILURES: {"$add": [f.ref(f.FAILURES), 1]}, f.RUN_AT: retry_at}
+    if final:
+        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summary_stages()]
+    later = after_now(f.opt(f.RETRY_BACKOFF)) if retry_in is None else {"$add": [NOW, retry_in * 1000]}
+    counters = {f.FAILURES: {"$add": [f.ref(f.FAILURES), 1]}, f.RUN_AT: {"$max": [f.ref(f.RUN_AT), later]}}
     return [update_entry(run_id, changes), {"$set": counters}, *summary_stages()]
+
+
+def snooze_update(run_id: str, seconds: float) -> list[Expr]:
+    """``rules.apply_snooze``: drop the run's entry, run again ``seconds`` from server now."""
+    keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
+    snoozes = {"$add": [{"$cond": [_is_number(f.SNOOZES), f.ref(f.SNOOZES), 0]}, 1]}
+    later = {"$add": [NOW, seconds * 1000]}
+    return [{"$set": {f.WORKERS: entries(keep), f.RUN_AT: later, f.SNOOZES: snoozes}}, *summary_stages()]
 
 
 def release_update(run_id: str) -> list[Expr]:
@@ -462,7 +477,7 @@ def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
 def retry_update() -> list[Expr]:
     """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
     fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW}
-    return [{"$set": fresh}, *summary_stages()]
+    return [{"$set": fresh}, {"$unset": [f.FATAL]}, *summary_stages()]
 
 
 def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from taskrunner.errors import (
     ScheduleNotFound,
     TaskNotFound,
 )
+from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
 from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
@@ -81,6 +82,7 @@ class MemoryStore:
         self._changed = asyncio.Event()
         self._registry: dict[str, WorkerInfo] = {}
         self._schedules: dict[str, Doc] = {}
+        self._limits: dict[str, Doc] = {}
 
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
@@ -211,7 +213,7 @@ class MemoryStore:
         except MalformedTask as exc:
             # Record the unreadable document as this run's failure, so it cannot loop.
             error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
-            rules.apply_failure(doc, rules.running_entry(doc, run_id) or {}, error, now)
+            rules.apply_failure(doc, rules.running_entry(doc, run_id) or {}, error, now, final=True)
             self._emit("update", doc)
             raise
 
@@ -254,7 +256,7 @@ class MemoryStore:
         elif write.kind == "success":
             rules.apply_success(doc, entry, value, now)
         else:
-            rules.apply_failure(doc, entry, value.model_dump(), now)
+            rules.apply_failure(doc, entry, value.error.model_dump(), now, value.retry_in, value.final)
         self._emit("update", doc)
         return RunStatus.DONE
 
@@ -275,12 +277,19 @@ class MemoryStore:
         result = _clone(result)
         return self._run_write(key, run_id, lambda d, e, now: rules.apply_success(d, e, result, now))
 
-    async def fail(self, key: str, run_id: str, error: TaskError) -> Task:
+    async def fail(
+        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
+    ) -> Task:
         err = error.model_dump()
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_failure(d, e, err, now))
+        return self._run_write(
+            key, run_id, lambda d, e, now: rules.apply_failure(d, e, err, now, retry_in, final)
+        )
 
     async def release(self, key: str, run_id: str) -> Task:
         return self._run_write(key, run_id, rules.apply_release)
+
+    async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
+        return self._run_write(key, run_id, lambda d, e, now: rules.apply_snooze(d, e, now, seconds))
 
     async def cancel(self, key: str) -> Task:
         doc = self._docs.get(key)
@@ -385,6 +394,16 @@ class MemoryStore:
         if isinstance(state, str):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
         return state
+
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+        chosen = sorted(self._limits if names is None else set(names) & set(self._limits))
+        return {name: LimitState.read(_clone(self._limits[name])) for name in chosen}
+
+    async def pause(self, name: str, paused: bool) -> LimitState:
+        now = self._clock()
+        doc = self._limits.setdefault(name, {f.ID: name})
+        doc.update({f.PAUSED: paused, f.PAUSED_AT if paused else f.RESUMED_AT: now, f.UPDATED_AT: now})
+        return readable_limit(_clone(doc))
 
     async def watch(
         self,

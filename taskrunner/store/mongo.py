@@ -36,6 +36,7 @@ from taskrunner.errors import (
     TaskNotFound,
     WriteRejected,
 )
+from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
 from taskrunner.redact import redact
 from taskrunner.rules import RunStatus
@@ -47,6 +48,7 @@ from taskrunner.store.base import (
     Claim,
     Claimed,
     EventKind,
+    Failure,
     Page,
     RunResult,
     RunWrite,
@@ -107,6 +109,7 @@ class MongoStore:
         self.collection: AsyncCollection[Doc] = client[database][collection]
         self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
         self.schedule_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.SCHEDULES_SUFFIX}"]
+        self.limit_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.LIMITS_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
@@ -384,8 +387,13 @@ class MongoStore:
         if write.kind == "ping":
             filter_ = x.renewal_filter(write.key, write.run_id, write.worker_id)
             return UpdateOne(filter_, x.ping_update(write.run_id, write.value))
-        update = (x.success_update(write.run_id, write.value) if write.kind == "success"
-                  else x.failure_update(write.run_id, write.value.model_dump()))  # fmt: skip
+        if write.kind == "success":
+            update = x.success_update(write.run_id, write.value)
+        else:
+            failure: Failure = write.value
+            update = x.failure_update(
+                write.run_id, failure.error.model_dump(), failure.retry_in, failure.final
+            )
         return UpdateOne(x.entry_filter(write.key, write.run_id), update)
 
     async def _resolve(
@@ -428,7 +436,7 @@ class MongoStore:
             f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}},
         }
         with mapped_errors():
-            await self.collection.update_one(fence, x.failure_update(run_id, error))
+            await self.collection.update_one(fence, x.failure_update(run_id, error, final=True))
 
     async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
         with mapped_errors():
@@ -445,11 +453,17 @@ class MongoStore:
     async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
         return await self._run_write(key, run_id, x.success_update(run_id, result))
 
-    async def fail(self, key: str, run_id: str, error: TaskError) -> Task:
-        return await self._run_write(key, run_id, x.failure_update(run_id, error.model_dump()))
+    async def fail(
+        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
+    ) -> Task:
+        update = x.failure_update(run_id, error.model_dump(), retry_in, final)
+        return await self._run_write(key, run_id, update)
 
     async def release(self, key: str, run_id: str) -> Task:
         return await self._run_write(key, run_id, x.release_update(run_id))
+
+    async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
+        return await self._run_write(key, run_id, x.snooze_update(run_id, seconds))
 
     async def cancel(self, key: str) -> Task:
         with mapped_errors():
@@ -574,6 +588,24 @@ class MongoStore:
         if isinstance(state, str):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
         return state
+
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+        query = {} if names is None else {f.ID: {"$in": list(names)}}
+        with mapped_errors():
+            docs = await self.limit_docs.find(query).sort(f.ID, 1).to_list()
+        return {str(doc.get(f.ID)): LimitState.read(doc) for doc in docs}
+
+    async def pause(self, name: str, paused: bool) -> LimitState:
+        stamp = f.PAUSED_AT if paused else f.RESUMED_AT
+        with mapped_errors():
+            doc = await self.limit_docs.find_one_and_update(
+                {f.ID: name},
+                {"$set": {f.PAUSED: paused}, "$currentDate": {stamp: True, f.UPDATED_AT: True}},
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
+        assert doc is not None, "an upsert returns the document"
+        return readable_limit(doc)
 
     async def watch(
         self,

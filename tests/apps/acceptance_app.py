@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from taskrunner import Fail, TaskContext, TaskRunner
+from taskrunner import Fail, Retry, TaskContext, TaskRunner
 
 runner = TaskRunner()
 
@@ -128,3 +128,28 @@ async def interrupt(params: dict[str, Any], ctx: TaskContext) -> None:
 def interrupt_sync(params: dict[str, Any], ctx: TaskContext) -> None:
     mark("start", ctx)
     raise KeyboardInterrupt
+
+
+class SnoozeParams(BaseModel):
+    times: int
+    """How many calls snooze (``ctx.snooze(seconds)``) before one succeeds."""
+    seconds: float
+
+
+@runner.task("snoozes")
+def snoozes(params: SnoozeParams, ctx: TaskContext) -> dict[str, Any]:
+    """A sync handler: ``ctx.snooze`` raises from its thread as from a coroutine."""
+    mark("start", ctx)
+    calls = sum(m["event"] == "start" for m in marks_of(ctx.key))
+    if calls <= params.times:
+        ctx.snooze(params.seconds)
+    return {"calls": calls}
+
+
+@runner.task("retry_later")
+async def retry_later(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """Asks to be retried once, after ``params["delay"]`` seconds, by raising ``Retry``."""
+    mark("start", ctx)
+    if sum(m["event"] == "start" for m in marks_of(ctx.key)) == 1:
+        raise Retry(delay=params["delay"])
+    return {"attempt": ctx.attempt}

@@ -19,9 +19,9 @@ from uuid import uuid4
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
-from workers import WorkerPool, WorkerProcess, wait_for
+from workers import WorkerPool, WorkerProcess, finished, wait_for
 
-from taskrunner import NewTask, Task, TaskRunner, TaskState, rules
+from taskrunner import NewTask, TaskRunner, TaskState, rules
 from taskrunner.errors import InvalidParams, InvalidTask, WriteRejected
 
 pytestmark = pytest.mark.mongo
@@ -65,11 +65,6 @@ async def raw(mongo_uri: str, collection: str) -> AsyncIterator[Any]:
     """The module's collection through PyMongo, for documents written by hand."""
     async with AsyncMongoClient[Doc](mongo_uri, tz_aware=True) as client:
         yield client.taskrunner[collection]
-
-
-async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
-    tasks = [await runner.get(key) for key in keys]
-    return tasks if all(t.state.finished for t in tasks) else None
 
 
 async def still_serves(runner: TaskRunner, worker: WorkerProcess) -> None:
@@ -175,7 +170,7 @@ async def test_malformed_document_never_runs_and_never_stops_the_worker(
         stored = await wait_for(lambda: _rejected(raw, case), 30, f"{case} to be recorded as a failure")
         error = stored["workers"][-1]["error"]
         assert error["type"] == "MalformedTask" and field in error["message"], error
-        assert stored["failures"] >= 1  # each claim spends budget, so it cannot loop
+        assert stored["fatal"] is True and stored["state"] == "FAIL"  # ended at once: it cannot loop
         assert [
             e
             for e in worker.find("claimed an unreadable task; recorded as its failure")

@@ -78,7 +78,11 @@ async def test_code_like_task_names_only_ever_reach_the_registry(monkeypatch: py
 
     for name in CODE_LIKE_NAMES:
         await runner.publish(
-            name, {"command": "touch /tmp/pwned", "args": ["-rf", "/"]}, key=name, max_failures=1
+            name,
+            {"command": "touch /tmp/pwned", "args": ["-rf", "/"]},
+            key=name,
+            max_failures=1,
+            allow_unknown=True,
         )
         claim = await runner.store.claim("w1", key=name)  # no names filter: the worst case
         assert claim is not None

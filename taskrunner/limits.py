@@ -1,0 +1,95 @@
+"""Flow control by task name, stored in ``<collection>.limits`` (docs/limits.md).
+
+One document per task name (``_id`` is the name; ``"*"`` stands for every name)::
+
+    {_id: "send_email", paused: true, paused_at: ISODate(...), updated_at: ISODate(...)}
+
+Operators write them (``taskrunner pause NAME``, ``runner.pause(...)``, or the mongo
+shell); every worker reads its names' documents every ``POLL_INTERVAL`` seconds, so a
+change applies fleet-wide within a second, without a leader. A paused name is not
+claimed (its queued tasks are dropped, sweeps and claims leave it out); running
+tasks finish and publishing goes on. Resuming sweeps at once for the backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from taskrunner.errors import InvalidTask, StoreError
+from taskrunner.models import UtcDatetime, first_error
+from taskrunner.outage import Outage
+
+ALL = "*"
+"""The ``_id`` whose document pauses every task name (``taskrunner pause --all``)."""
+POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents
+
+
+class LimitState(BaseModel):
+    """One stored document of ``<collection>.limits``."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(alias="_id")
+    paused: bool = False
+    paused_at: UtcDatetime | None = None
+    resumed_at: UtcDatetime | None = None
+    updated_at: UtcDatetime | None = None
+
+    @classmethod
+    def read(cls, doc: dict[str, Any]) -> LimitState | str:
+        """The document as a model, or what is wrong with it (a hand edit)."""
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            return first_error(exc)
+
+
+def readable_limit(doc: dict[str, Any]) -> LimitState:
+    """A document just written, as a model; a hand-broken field makes it an ``InvalidTask``."""
+    state = LimitState.read(doc)
+    if isinstance(state, str):
+        raise InvalidTask(f"limits.{doc.get('_id')}", f"the stored document is unreadable: {state}")
+    return state
+
+
+def paused_names(states: dict[str, LimitState | str], names: Sequence[str]) -> frozenset[str]:
+    """Which of ``names`` are paused, by their own document or by ``"*"``. An unreadable
+    document pauses nothing: a hand edit gone wrong must not stop the fleet."""
+    every = states.get(ALL)
+    if isinstance(every, LimitState) and every.paused:
+        return frozenset(names)
+    return frozenset(n for n in names if isinstance(s := states.get(n), LimitState) and s.paused)
+
+
+class LimitWatch:
+    """A worker's view of its names' limit documents, refreshed by polling."""
+
+    def __init__(self, store: Any, names: Sequence[str], on_change: Callable[[frozenset[str]], None]) -> None:
+        self.store, self.names, self.on_change = store, sorted(names), on_change
+        self.paused: frozenset[str] = frozenset()
+        self.problems: dict[str, str] = {}
+
+    async def refresh(self) -> None:
+        states = await self.store.limits([*self.names, ALL])
+        self.problems = {name: s for name, s in states.items() if isinstance(s, str)}
+        paused = paused_names(states, self.names)
+        if paused != self.paused:
+            self.paused = paused
+            self.on_change(paused)
+
+    async def run(self, stop: asyncio.Event, outage: Outage) -> None:
+        while not stop.is_set():
+            try:
+                await self.refresh()
+                outage.ok()
+                wait = POLL_INTERVAL * random.uniform(0.8, 1.0)
+            except StoreError as exc:
+                wait = outage.failed(exc)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)

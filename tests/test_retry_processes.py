@@ -1,0 +1,69 @@
+"""Retries with real ``taskrunner worker`` processes: backoff, failures that are never
+retried, and runs that ask to run again later without counting a failure."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from workers import WorkerPool, finished, wait_for
+
+from taskrunner import EntryState, TaskRunner, TaskState
+
+pytestmark = pytest.mark.mongo
+
+
+async def test_final_failures_end_the_task_at_once_with_budget_left(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``raise Fail`` and params the handler's model rejects end the task FAIL after one run
+    (``fatal``, failures 0) although four more failures were allowed; the handler given bad
+    params is never called."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        pool.start_many(["w1", "w2"])
+        await runner.publish("fails_fast", key="fail", max_failures=5, retry_backoff=0)
+        await runner.publish("typed", {"count": "many"}, key="bad-params", max_failures=5, retry_backoff=0)
+        fail, bad = await wait_for(lambda: finished(runner, "fail", "bad-params"), 60, "both tasks")
+        marks = pool.marks(key="fail") + pool.marks(key="bad-params")
+    for task, error_type in ((fail, "Fail"), (bad, "InvalidParams")):
+        assert task.state is TaskState.FAIL and task.fatal and task.failures == 0, task
+        [entry] = task.workers
+        assert entry.state is EntryState.FAIL and entry.error is not None and entry.error.type == error_type
+    assert bad.workers[0].error is not None and "count" in bad.workers[0].error.message
+    assert [m["key"] for m in marks] == ["fail"]
+
+
+async def test_snooze_and_retry_run_again_later_without_a_failure(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``ctx.snooze(s)`` (a sync handler) and ``raise Retry(delay=s)`` put the task back to
+    PENDING for ``s`` seconds: no failure counted even with max_failures=1, ``snoozes``
+    counts them, and the next call starts no sooner."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        pool.start_many(["w1", "w2"])
+        await runner.publish("snoozes", {"times": 2, "seconds": 0.6}, key="nap", max_failures=1)
+        await runner.publish("retry_later", {"delay": 1.0}, key="later", max_failures=1)
+        nap, later = await wait_for(lambda: finished(runner, "nap", "later"), 60, "both tasks")
+        nap_marks, later_marks = pool.marks(key="nap"), pool.marks(key="later")
+    assert nap.state is TaskState.SUCCESS and (nap.failures, nap.snoozes, nap.attempts) == (0, 2, 3)
+    assert [w.result for w in nap.workers] == [{"calls": 3}]
+    assert len(nap_marks) == 3 and all(b["t"] - a["t"] >= 0.55 for a, b in itertools.pairwise(nap_marks))
+    assert later.state is TaskState.SUCCESS and (later.failures, later.snoozes) == (0, 1)
+    assert len(later_marks) == 2 and later_marks[1]["t"] - later_marks[0]["t"] >= 0.95
+
+
+async def test_a_numeric_backoff_spaces_every_retry(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``backoff=1.5`` waits 1.5 s (server time) between a failed run's end and the next claim,
+    every time, until max_failures ends the task."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        pool.start_many(["w1", "w2"])
+        await runner.publish("always_fails", key="spaced", max_failures=3, backoff=1.5)
+        [task] = await wait_for(lambda: finished(runner, "spaced"), 60, "the task")
+    assert task.state is TaskState.FAIL and task.failures == 3 and not task.fatal
+    assert task.options.backoff == 1.5
+    for before, after in itertools.pairwise(task.workers):
+        assert before.finished_at is not None
+        assert (after.claimed_at - before.finished_at).total_seconds() >= 1.5 - 0.01
