@@ -26,6 +26,7 @@ from taskrunner.errors import (
     WaitTimeout,
     WriteRejected,
 )
+from taskrunner.limits import LimitState
 from taskrunner.models import (
     EntryState,
     NewTask,
@@ -59,6 +60,7 @@ __all__ = [
     "InvalidSchedule",
     "InvalidState",
     "InvalidTask",
+    "LimitState",
     "MalformedTask",
     "MemoryStore",
     "MongoStore",

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +30,14 @@ from taskrunner.errors import (
     Fail,
     InvalidParams,
     MalformedTask,
+    RateLimited,
     Retry,
     StoreError,
     TaskRunnerError,
     UnknownHandler,
 )
 from taskrunner.heartbeat import Heartbeat, Lease
-from taskrunner.models import TaskError
+from taskrunner.models import Task, TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.registry import Registration, Registry
@@ -74,6 +76,8 @@ class Outcome:
     error: TaskError | None = None
     final: bool = False
     snooze: float | None = None
+    throttle: bool = False
+    """``RateLimited``: hold back the task's name (or limit_by value) for ``snooze`` seconds."""
 
 
 class UnstorableResult(TaskRunnerError):
@@ -112,9 +116,12 @@ class Execution:
         observer: WorkerObserver | None = None,
         writes: RunWrites | None = None,
         heartbeat: Heartbeat | None = None,
+        throttle: Callable[[Task, float], Awaitable[None]] | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
-        for many runs); a lone run gets its own."""
+        for many runs); a lone run gets its own. ``throttle`` holds back the task's name
+        when its handler raises ``RateLimited``."""
+        self.throttle = throttle
         self.observer: WorkerObserver = observer or NullObserver()
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
@@ -170,6 +177,8 @@ class Execution:
         self.heartbeat.remove(self.run_id)
         seconds = time.monotonic() - self.started
         if outcome is not None and outcome.snooze is not None:
+            if outcome.throttle and self.throttle is not None:
+                await self.throttle(self.task, outcome.snooze)
             await self._snooze(outcome.snooze)
             self.observer.finished(self.task, "snoozed", seconds)
         elif outcome is not None:
@@ -193,7 +202,7 @@ class Execution:
                 raise
             except Retry as exc:
                 later = exc.delay if exc.delay is not None else retry_delay(options, self.task.failures + 1)
-                return Outcome(snooze=later)
+                return Outcome(snooze=later, throttle=isinstance(exc, RateLimited))
             except Fail as exc:
                 return Outcome(error=error_of(exc), final=True)
             except UnstorableResult as exc:  # the same result would be refused again at once

@@ -115,6 +115,7 @@ LAST_TICK: Final = "last_tick"
 LAST_KEY: Final = "last_key"
 DECLARED_AT: Final = "declared_at"
 PAUSED_AT: Final = "paused_at"
+THROTTLED_UNTIL: Final = "throttled_until"
 RESUMED_AT: Final = "resumed_at"
 SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
                               JITTER, GRACE)  # fmt: skip

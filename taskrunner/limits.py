@@ -17,6 +17,7 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -40,6 +41,8 @@ class LimitState(BaseModel):
     paused_at: UtcDatetime | None = None
     resumed_at: UtcDatetime | None = None
     updated_at: UtcDatetime | None = None
+    throttled_until: UtcDatetime | None = None
+    """Set when a handler raised ``RateLimited``: no task of the name starts before it."""
 
     @classmethod
     def read(cls, doc: dict[str, Any]) -> LimitState | str:
@@ -58,27 +61,41 @@ def readable_limit(doc: dict[str, Any]) -> LimitState:
     return state
 
 
-def paused_names(states: dict[str, LimitState | str], names: Sequence[str]) -> frozenset[str]:
-    """Which of ``names`` are paused, by their own document or by ``"*"``. An unreadable
-    document pauses nothing: a hand edit gone wrong must not stop the fleet."""
+def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now: datetime) -> frozenset[str]:
+    """Which of ``names`` are not claimed now: paused, by their own document or by ``"*"``,
+    or throttled until after ``now`` (server time). An unreadable document pauses nothing:
+    a hand edit gone wrong must not stop the fleet."""
     every = states.get(ALL)
     if isinstance(every, LimitState) and every.paused:
         return frozenset(names)
-    return frozenset(n for n in names if isinstance(s := states.get(n), LimitState) and s.paused)
+
+    def held(state: LimitState | str | None) -> bool:
+        if not isinstance(state, LimitState):
+            return False
+        return state.paused or (state.throttled_until is not None and state.throttled_until > now)
+
+    return frozenset(n for n in names if held(states.get(n)))
 
 
 class LimitWatch:
     """A worker's view of its names' limit documents, refreshed by polling."""
 
-    def __init__(self, store: Any, names: Sequence[str], on_change: Callable[[frozenset[str]], None]) -> None:
-        self.store, self.names, self.on_change = store, sorted(names), on_change
+    def __init__(
+        self,
+        store: Any,
+        names: Sequence[str],
+        on_change: Callable[[frozenset[str]], None],
+        now: Callable[[], datetime],
+    ) -> None:
+        """``now`` is the worker's estimate of server time (a throttle ends by it)."""
+        self.store, self.names, self.on_change, self.now = store, sorted(names), on_change, now
         self.paused: frozenset[str] = frozenset()
         self.problems: dict[str, str] = {}
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
         self.problems = {name: s for name, s in states.items() if isinstance(s, str)}
-        paused = paused_names(states, self.names)
+        paused = paused_names(states, self.names, self.now())
         if paused != self.paused:
             self.paused = paused
             self.on_change(paused)

@@ -69,6 +69,12 @@ class PrometheusObserver:
             label,
             registry=reg,
         )
+        self.ticks = Counter(
+            "taskrunner_schedule_ticks",
+            "Tasks this worker published for schedule ticks (backups that found the tick done publish none).",
+            ["schedule"],
+            registry=reg,
+        )
         self.running = Gauge("taskrunner_in_flight", "Runs in progress in this worker.", registry=reg)
         self.pickup = Histogram(
             "taskrunner_pickup_latency_seconds",
@@ -104,6 +110,9 @@ class PrometheusObserver:
 
     def in_flight(self, count: int) -> None:
         self.running.set(count)
+
+    def fired(self, schedule_id: str, count: int) -> None:
+        self.ticks.labels(schedule=schedule_id).inc(count)
 
 
 def serve_metrics(

@@ -21,6 +21,9 @@ class WorkerObserver(Protocol):
     def in_flight(self, count: int) -> None:
         """The number of runs in progress changed."""
 
+    def fired(self, schedule_id: str, count: int) -> None:
+        """This worker fired a schedule's tick, publishing ``count`` new tasks."""
+
 
 class NullObserver:
     def claimed(self, task: Task, entry: WorkerEntry) -> None:
@@ -30,4 +33,7 @@ class NullObserver:
         return None
 
     def in_flight(self, count: int) -> None:
+        return None
+
+    def fired(self, schedule_id: str, count: int) -> None:
         return None

@@ -175,9 +175,11 @@ class Scheduler:
         *,
         now: Callable[[], datetime],
         rank: Callable[[str], int],
+        fired: Callable[[str, int], None] = lambda schedule_id, count: None,
     ) -> None:
+        """``fired(schedule_id, tasks)`` hears of each firing that created tasks (metrics)."""
         self.store, self.schedules = store, {s.id: s for s in schedules}
-        self.now, self.rank = now, rank
+        self.now, self.rank, self.fired = now, rank, fired
         self._declared = False
         self._reported: dict[str, str] = {}
 
@@ -232,6 +234,7 @@ class Scheduler:
             created = [t.key for t in published if t.created]
             if created:
                 log.info("schedule fired", schedule=schedule.id, keys=created, recorded=recorded)
+                self.fired(schedule.id, len(created))
             since = fired
         upcoming = recurrence.after(max(since, now - timedelta(seconds=lag)))
         return (upcoming - now).total_seconds() + lag

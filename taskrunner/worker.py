@@ -151,7 +151,7 @@ class Worker:
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
-        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed)
+        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now)
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
@@ -207,6 +207,19 @@ class Worker:
         self.log.info("paused names changed", paused=sorted(paused))
         self.queue.drop_names(paused)
         self.sweep_at(None)
+
+    def _server_now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock.now(), UTC)
+
+    async def _throttle(self, task: Task, seconds: float) -> None:
+        """A handler raised ``RateLimited``: no worker starts a task of its name for
+        ``seconds`` (the name's limits document holds ``throttled_until``)."""
+        self.log.warning("rate limited by a handler", name=task.name, seconds=seconds)
+        try:
+            await self.store.throttle(task.name, seconds)
+            await self.limits.refresh()
+        except StoreError as exc:
+            self.log.warning("could not store the rate limit", error=str(exc))
 
     def rank(self, task: Task) -> int:
         """This worker's place in the rendezvous-hash order of the live peers (from the
@@ -422,12 +435,13 @@ class Worker:
                 self.queue.discard(entry.key)
             else:
                 self._misses[entry.key] = misses
-                self.queue.put(entry.key, now + min(0.05 * 2**misses, 5.0), entry.rank, fresh=entry.fresh)
+                later = now + min(0.05 * 2**misses, 5.0)
+                self.queue.put(entry.key, later, entry.rank, fresh=entry.fresh, name=entry.name)
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
             claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor,
-            observer=self.observer, writes=self.writes, heartbeat=self.heartbeat,
+            observer=self.observer, writes=self.writes, heartbeat=self.heartbeat, throttle=self._throttle,
         )  # fmt: skip
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
@@ -475,7 +489,7 @@ class Worker:
         """Fire the app's schedules (taskrunner.schedules), once the peers are known."""
         await self._peers_known.wait()
         scheduler = Scheduler(self.store, list(self.runner.schedules.values()),
-                              now=lambda: datetime.fromtimestamp(self.clock.now(), UTC), rank=self.schedule_rank)  # fmt: skip
+                              now=self._server_now, rank=self.schedule_rank, fired=self.observer.fired)  # fmt: skip
         outage = Outage(
             self.log, "scheduler cannot reach the server; retrying", "scheduler recovered", cap=3.0
         )

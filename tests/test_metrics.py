@@ -59,6 +59,17 @@ def test_observer_counts_every_outcome_per_task() -> None:
     assert sample(registry, "taskrunner_successes_total", task="email") is None
 
 
+def test_observer_counts_snoozes_and_schedule_ticks() -> None:
+    """Snoozed runs count per task; tasks published for schedule ticks count per schedule."""
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    observer.finished(make_task("resize"), "snoozed", 0.1)
+    observer.fired("nightly", 1)
+    observer.fired("nightly", 3)  # a catch-up of three ticks
+    assert sample(registry, "taskrunner_snoozes_total", task="resize") == 1
+    assert sample(registry, "taskrunner_schedule_ticks_total", schedule="nightly") == 4
+
+
 def test_observer_histograms_and_in_flight_gauge() -> None:
     """Pickup is claimed_at minus run_at (takeovers skipped), run time is the handler's, in_flight is set."""
     registry = CollectorRegistry()

@@ -505,3 +505,11 @@ def stats_pipeline() -> list[Expr]:
         }},
         {"$addFields": {"now": NOW}},
     ]  # fmt: skip
+
+
+def throttle_update(seconds: float) -> list[Expr]:
+    """``throttled_until`` at least server now plus ``seconds`` (``RateLimited``)."""
+    until = {"$add": [NOW, seconds * 1000]}
+    is_date = {"$eq": [{"$type": f.ref(f.THROTTLED_UNTIL)}, "date"]}
+    current = {"$cond": [is_date, f.ref(f.THROTTLED_UNTIL), until]}
+    return [{"$set": {f.THROTTLED_UNTIL: {"$max": [current, until]}, f.UPDATED_AT: NOW}}]

@@ -405,6 +405,13 @@ class MemoryStore:
         doc.update({f.PAUSED: paused, f.PAUSED_AT if paused else f.RESUMED_AT: now, f.UPDATED_AT: now})
         return readable_limit(_clone(doc))
 
+    async def throttle(self, name: str, seconds: float) -> None:
+        doc = self._limits.setdefault(name, {f.ID: name})
+        until = self._clock() + timedelta(seconds=seconds)
+        current = doc.get(f.THROTTLED_UNTIL)
+        doc[f.THROTTLED_UNTIL] = max(current, until) if isinstance(current, datetime) else until
+        doc[f.UPDATED_AT] = self._clock()
+
     async def watch(
         self,
         *,

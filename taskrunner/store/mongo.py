@@ -607,6 +607,10 @@ class MongoStore:
         assert doc is not None, "an upsert returns the document"
         return readable_limit(doc)
 
+    async def throttle(self, name: str, seconds: float) -> None:
+        with mapped_errors():
+            await self.limit_docs.update_one({f.ID: name}, x.throttle_update(seconds), upsert=True)
+
     async def watch(
         self,
         *,

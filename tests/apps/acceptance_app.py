@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from taskrunner import Fail, Retry, TaskContext, TaskRunner
+from taskrunner import Fail, RateLimited, Retry, TaskContext, TaskRunner
 
 runner = TaskRunner()
 
@@ -152,4 +152,13 @@ async def retry_later(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any
     mark("start", ctx)
     if sum(m["event"] == "start" for m in marks_of(ctx.key)) == 1:
         raise Retry(delay=params["delay"])
+    return {"attempt": ctx.attempt}
+
+
+@runner.task("calls_api")
+async def calls_api(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """The first call of the key ``params["limited_key"]`` is told "slow down" by the remote API."""
+    mark("start", ctx)
+    if ctx.key == params.get("limited_key") and len(marks_of(ctx.key)) == 1:
+        raise RateLimited(retry_after=params["retry_after"])
     return {"attempt": ctx.attempt}
