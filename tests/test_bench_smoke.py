@@ -92,6 +92,13 @@ def test_heartbeat_smoke(tmp_path: Path) -> None:
     assert result["statements"] >= result["heartbeat_writes"]
 
 
+def test_pause_smoke(tmp_path: Path) -> None:
+    """``pause.py --smoke`` measures how long after a pause the paused name was still claimed."""
+    result = run_bench("pause.py", "--smoke", results=tmp_path / "results.jsonl")
+    assert result["bench"] == "pause" and result["config"] == {"workers": 2, "rounds": 1}
+    assert len(result["lags_s"]) == 1 and result["max_s"] == max(result["lags_s"]) >= 0
+
+
 MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "os": "Linux", "python": "3.13.0",
            "pymongo": "4.20.0", "mongoeco": "4.11.0", "taskrunner": "0.1.0"}  # fmt: skip
 
