@@ -20,12 +20,14 @@ from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from taskrunner.errors import InvalidTask, StoreError
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
 
+log = structlog.get_logger("taskrunner.limits")
 ALL = "*"
 """The ``_id`` whose document pauses every task name (``taskrunner pause --all``)."""
 POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents
@@ -94,7 +96,11 @@ class LimitWatch:
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
-        self.problems = {name: s for name, s in states.items() if isinstance(s, str)}
+        problems = {name: s for name, s in states.items() if isinstance(s, str)}
+        for name, problem in problems.items():
+            if self.problems.get(name) != problem:  # once per problem, not every half second
+                log.warning("skipping unreadable limits document", name=name, problem=problem)
+        self.problems = problems
         paused = paused_names(states, self.names, self.now())
         if paused != self.paused:
             self.paused = paused

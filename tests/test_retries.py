@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import structlog
 
 from taskrunner import Fail, MemoryStore, RateLimited, Retry, TaskContext, TaskOptions, TaskRunner, TaskState
+from taskrunner.limits import LimitWatch
 from taskrunner.retries import delay
 from taskrunner.worker import Worker
 
@@ -103,3 +105,21 @@ async def test_fail_ends_the_task_and_rate_limited_snoozes_it() -> None:
     assert limited.workers == [] and (limited.run_at - limited.updated_at).total_seconds() == pytest.approx(
         120, abs=1
     )
+
+
+async def test_an_unreadable_limits_document_pauses_nothing_and_is_reported_once() -> None:
+    """A limits document broken by hand (``paused: "maybe"``) pauses nothing; the problem,
+    naming the field, is logged once, not at every read."""
+    store = MemoryStore()
+    store._limits["quick"] = {"_id": "quick", "paused": "maybe"}
+    changes: list[frozenset[str]] = []
+    watch = LimitWatch(store, ["quick"], changes.append, lambda: datetime.now(UTC))
+    with structlog.testing.capture_logs() as logs:
+        await watch.refresh()
+        await watch.refresh()
+    assert watch.paused == frozenset() and changes == []
+    assert "paused" in watch.problems["quick"]
+    assert [e["event"] for e in logs] == ["skipping unreadable limits document"]
+    await store.pause("quick", True)
+    await watch.refresh()
+    assert watch.paused == frozenset({"quick"}) and changes == [frozenset({"quick"})]
