@@ -55,7 +55,7 @@ class UnknownTaskName(InvalidTask, LookupError):
         super().__init__(
             "name",
             f"no handler registered for task name {name!r} (known: {', '.join(known)}); "
-            "pass allow_unknown=True to publish it for workers of another app",
+            "pass allow_unknown=True (CLI: --allow-unknown) to publish it for workers of another app",
         )
 
 
