@@ -5,8 +5,9 @@ One document per task name (``_id`` is the name; ``"*"`` stands for every name):
     {_id: "send_email", paused: true, paused_at: ISODate(...), updated_at: ISODate(...)}
 
 Operators write them (``taskrunner pause NAME``, ``runner.pause(...)``, or the mongo
-shell); every worker reads its names' documents every ``POLL_INTERVAL`` seconds, so a
-change applies fleet-wide within a second, without a leader. A paused name is not
+shell); every worker reads its names' documents again whenever the collection's change
+stream says something changed (``LimitWatch``), so a change applies fleet-wide within a
+second, without a leader. A paused name is not
 claimed (its queued tasks are dropped, sweeps and claims leave it out); running
 tasks finish and publishing goes on. Resuming sweeps at once for the backlog.
 """
@@ -18,19 +19,23 @@ import random
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from taskrunner.errors import InvalidTask, StoreError
+from taskrunner.errors import ChangeStreamsUnsupported, InvalidTask, StoreError
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
+
+if TYPE_CHECKING:
+    from taskrunner.store.base import ChangeStream
 
 log = structlog.get_logger("taskrunner.limits")
 ALL = "*"
 """The ``_id`` whose document pauses every task name (``taskrunner pause --all``)."""
-POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents
+POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents without a stream
+RECHECK = 30.0  # seconds between reads while following the stream (a missed event costs no more)
 
 
 class LimitState(BaseModel):
@@ -80,7 +85,10 @@ def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now:
 
 
 class LimitWatch:
-    """A worker's view of its names' limit documents, refreshed by polling."""
+    """A worker's view of its names' limit documents: read again whenever the limits
+    collection's change stream says something changed (an idle worker costs one getMore
+    per few seconds), when a throttle ends, and every ``RECHECK`` seconds anyway; every
+    ``POLL_INTERVAL`` seconds instead while no stream can be followed."""
 
     def __init__(
         self,
@@ -93,6 +101,7 @@ class LimitWatch:
         self.store, self.names, self.on_change, self.now = store, sorted(names), on_change, now
         self.paused: frozenset[str] = frozenset()
         self.problems: dict[str, str] = {}
+        self._throttle_ends: float | None = None
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
@@ -101,18 +110,44 @@ class LimitWatch:
             if self.problems.get(name) != problem:  # once per problem, not every half second
                 log.warning("skipping unreadable limits document", name=name, problem=problem)
         self.problems = problems
-        paused = paused_names(states, self.names, self.now())
+        now = self.now()
+        ends = [s.throttled_until for s in states.values()
+                if isinstance(s, LimitState) and s.throttled_until is not None and s.throttled_until > now]  # fmt: skip
+        self._throttle_ends = min(ends).timestamp() if ends else None
+        paused = paused_names(states, self.names, now)
         if paused != self.paused:
             self.paused = paused
             self.on_change(paused)
 
     async def run(self, stop: asyncio.Event, outage: Outage) -> None:
+        stream: ChangeStream | None = None
+        follow = True  # False once the server says it has no change streams
         while not stop.is_set():
             try:
+                if stream is None and follow:
+                    stream = await self.store.watch_limits()  # opened before the read: nothing slips by
                 await self.refresh()
                 outage.ok()
-                wait = POLL_INTERVAL * random.uniform(0.8, 1.0)
+                await self._wait(stream, stop)
             except StoreError as exc:
-                wait = outage.failed(exc)
+                follow = follow and not isinstance(exc, ChangeStreamsUnsupported)
+                if stream is not None:
+                    with suppress(StoreError):
+                        await stream.close()
+                    stream = None
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), outage.failed(exc) if follow else POLL_INTERVAL)
+        if stream is not None:
+            with suppress(StoreError):
+                await stream.close()
+
+    async def _wait(self, stream: ChangeStream | None, stop: asyncio.Event) -> None:
+        """Until something may have changed: an event, a throttle's end, or the recheck."""
+        limit = RECHECK if stream is not None else POLL_INTERVAL * random.uniform(0.8, 1.0)
+        if self._throttle_ends is not None:
+            limit = min(limit, max(0.0, self._throttle_ends - self.now().timestamp()) + 0.01)
+        if stream is None:
             with suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait)
+                await asyncio.wait_for(stop.wait(), limit)
+            return
+        await stream.next(limit)

@@ -693,3 +693,25 @@ async def test_a_declared_schedule_keeps_its_state_and_records_ticks_once(store:
     assert resumed.resumed_at is not None
     with pytest.raises(ScheduleNotFound):
         await store.pause_schedule("nope", True)
+
+
+async def test_the_limits_stream_says_when_a_limits_document_changes(store: Store) -> None:
+    """``watch_limits`` yields an event after a pause or a throttle is written, and none
+    while nothing changes (workers read the documents again on each event)."""
+    stream = await store.watch_limits()
+    try:
+        assert await stream.next(0.3) is None
+        await store.pause("quick", True)
+        assert await _next_event(stream) is not None
+        await store.throttle("quick", 5)
+        assert await _next_event(stream) is not None
+    finally:
+        await stream.close()
+
+
+async def _next_event(stream: ChangeStream) -> ChangeEvent | None:
+    for _ in range(20):  # a look-alike server may deliver the event a getMore later
+        event = await stream.next(0.5)
+        if event is not None:
+            return event
+    return None

@@ -296,6 +296,10 @@ class Store(Protocol):
         """Pause or resume claiming tasks of ``name`` (``"*"``: every name); the document
         is created when missing."""
 
+    async def watch_limits(self) -> ChangeStream:
+        """A stream whose events say only that some limits document changed (workers then
+        read them again); raises ``ChangeStreamsUnsupported`` when the server has none."""
+
     async def throttle(self, name: str, seconds: float) -> None:
         """Start no task of ``name`` for ``seconds`` from server now (``RateLimited``); a
         longer throttle already set is kept."""

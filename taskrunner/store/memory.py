@@ -83,6 +83,8 @@ class MemoryStore:
         self._registry: dict[str, WorkerInfo] = {}
         self._schedules: dict[str, Doc] = {}
         self._limits: dict[str, Doc] = {}
+        self._limits_version = 0
+        self._limits_changed = asyncio.Event()
 
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
@@ -403,6 +405,7 @@ class MemoryStore:
         now = self._clock()
         doc = self._limits.setdefault(name, {f.ID: name})
         doc.update({f.PAUSED: paused, f.PAUSED_AT if paused else f.RESUMED_AT: now, f.UPDATED_AT: now})
+        self._limit_written()
         return readable_limit(_clone(doc))
 
     async def throttle(self, name: str, seconds: float) -> None:
@@ -411,6 +414,14 @@ class MemoryStore:
         current = doc.get(f.THROTTLED_UNTIL)
         doc[f.THROTTLED_UNTIL] = max(current, until) if isinstance(current, datetime) else until
         doc[f.UPDATED_AT] = self._clock()
+        self._limit_written()
+
+    async def watch_limits(self) -> ChangeStream:
+        return _LimitsStream(self)
+
+    def _limit_written(self) -> None:
+        self._limits_version += 1
+        self._limits_changed.set()
 
     async def watch(
         self,
@@ -468,6 +479,30 @@ class MemoryStore:
             return Task.from_document(_clone(doc))
         except MalformedTask:
             return None
+
+
+class _LimitsStream:
+    """``watch_limits`` of the in-memory store: an event whenever a limits document is written."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store, self._seen = store, store._limits_version
+
+    @property
+    def resume_token(self) -> Mapping[str, Any] | None:
+        return None
+
+    async def next(self, wait: float) -> ChangeEvent | None:
+        if self._store._limits_version == self._seen:
+            self._store._limits_changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._store._limits_changed.wait(), wait)
+        if self._store._limits_version == self._seen:
+            return None
+        self._seen = self._store._limits_version
+        return ChangeEvent("update", None, None, None)
+
+    async def close(self) -> None:
+        return None
 
 
 class _MemoryChangeStream:

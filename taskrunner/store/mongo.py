@@ -607,6 +607,11 @@ class MongoStore:
         assert doc is not None, "an upsert returns the document"
         return readable_limit(doc)
 
+    async def watch_limits(self) -> ChangeStream:
+        with mapped_errors():
+            stream = await self.limit_docs.watch([], max_await_time_ms=_WORK_AWAIT_MS)
+        return _MongoChangeStream(stream)
+
     async def throttle(self, name: str, seconds: float) -> None:
         with mapped_errors():
             await self.limit_docs.update_one({f.ID: name}, x.throttle_update(seconds), upsert=True)
