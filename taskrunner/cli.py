@@ -554,9 +554,11 @@ def schedules_trigger(
 
 
 def _pause_target(name: str | None, every: bool) -> str:
-    if every == (name is not None):
+    if name is None and every:
+        return ALL
+    if name is None or every:
         fail("give a task NAME or --all (not both)")
-    return ALL if every else name or ALL
+    return name
 
 
 @app.command("pause")

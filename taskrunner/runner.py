@@ -328,11 +328,8 @@ class TaskRunner:
 
     async def resume(self, name: str) -> list[LimitState]:
         """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one)."""
-        if _limit_name(name) != ALL:
-            return [await self.store.pause(name, False)]
-        stored = await self.store.limits()
-        paused = [n for n, s in stored.items() if isinstance(s, LimitState) and s.paused]
-        return [await self.store.pause(n, False) for n in paused]
+        names = await self.paused() if _limit_name(name) == ALL else [name]
+        return [await self.store.pause(n, False) for n in names]
 
     async def paused(self) -> list[str]:
         """Names paused now (``"*"`` when every name is)."""

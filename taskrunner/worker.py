@@ -217,7 +217,7 @@ class Worker:
         self.log.warning("rate limited by a handler", name=task.name, seconds=seconds)
         try:
             await self.store.throttle(task.name, seconds)
-            await self.limits.refresh()
+            await self.limits.refresh()  # this worker, the likeliest to call again, stops at once
         except StoreError as exc:
             self.log.warning("could not store the rate limit", error=str(exc))
 
