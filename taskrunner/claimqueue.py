@@ -31,6 +31,8 @@ class Due:
     """Nobody had run the task when it was queued: claimed with the small update."""
     name: str = ""
     """The task's name (flow control drops the entries of a paused name)."""
+    gate: str = ""
+    """The task's gate when its name has fleet-wide limits (``taskrunner.gates``), else ""."""
 
 
 class ClaimQueue:
@@ -52,8 +54,10 @@ class ClaimQueue:
         entry = self._live.get(key)
         return entry.at if entry else None
 
-    def put(self, key: str, at: float, rank: Rank, *, fresh: bool = False, name: str = "") -> None:
-        entry = Due(at, rank, key, fresh, name)
+    def put(
+        self, key: str, at: float, rank: Rank, *, fresh: bool = False, name: str = "", gate: str = ""
+    ) -> None:
+        entry = Due(at, rank, key, fresh, name, gate)
         if self._live.get(key) == entry:
             return
         self._live[key] = entry

@@ -25,7 +25,8 @@ from rich.text import Text
 
 from taskrunner import fields as f
 from taskrunner.errors import TaskRunnerError, WaitTimeout
-from taskrunner.limits import ALL
+from taskrunner.gates import Limit
+from taskrunner.limits import ALL, LimitState
 from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo, parse_duration
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
@@ -598,6 +599,41 @@ def resume_command(
     print("resumed: every task name" if target == ALL else f"resumed: {target}")
     if ALL in still:
         err.print("note: every task name is still paused (taskrunner resume --all)")
+
+
+@app.command("limit")
+def limit_command(
+    name: Annotated[str, typer.Argument(help="Task name.")],
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Most starts per sliding window across all workers: 10/s, 100/m, 5/10s; off lifts it."
+        ),
+    ] = None,
+    max_running: Annotated[
+        int | None, typer.Option(help="Most runs at once across all workers; 0 lifts it.", min=0)
+    ] = None,
+    clear: Annotated[
+        bool, typer.Option(help="Drop operators' limits: the code's declaration applies.")
+    ] = False,
+    mongo_uri: MongoUri = None,
+    database: Database = None,
+    collection: Collection = None,
+    timeout: Timeout = 5.0,
+) -> None:
+    """Set NAME's fleet-wide limits live (workers apply them within a second); with no option, show them."""
+    runner = make_runner(mongo_uri, database, collection, timeout)
+
+    async def limit() -> tuple[Limit, LimitState | None]:
+        if rate is not None or max_running is not None or clear:
+            await runner.limit(name, rate_limit=rate, max_running=max_running, clear=clear)
+        return await runner.limits(name)
+
+    in_force, state = run(_closing(runner, limit()))
+    print(f"{name}: {in_force.describe()}")
+    overrides = sorted(set(state.model_fields_set) & {"rate_limit", "max_running"}) if state else []
+    if overrides:
+        print("set by operators: " + ", ".join(overrides) + f" (taskrunner limit {name} --clear drops them)")
 
 
 @app.command("stop-worker")

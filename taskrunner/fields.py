@@ -125,7 +125,19 @@ SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIME
 # -- flow control by task name (collection "<tasks collection>.limits"; docs/limits.md) ----------
 LIMITS_SUFFIX: Final = "limits"
 # A document's _id is the task name ("*": every name); it holds PAUSED, PAUSED_AT, RESUMED_AT,
-# UPDATED_AT. The registry's PAUSED lists the names a worker has paused right now.
+# UPDATED_AT, THROTTLED_UNTIL and operators' RATE_LIMIT and MAX_RUNNING. The registry's PAUSED
+# lists the names a worker has paused right now.
+RATE_LIMIT: Final = "rate_limit"
+MAX_RUNNING: Final = "max_running"
+LIMIT_BY: Final = "limit_by"
+DECLARED: Final = "declared"
+"""In a limits document: the limits the app's code declares, as its workers last wrote them."""
+
+# -- fleet-wide limits' gates (collection "<tasks collection>.gates"; taskrunner/gates.py) -------
+GATES_SUFFIX: Final = "gates"
+# A gate's VERSION (the registry's field name) counts its writes, for compare-and-set.
+LANES: Final = "lanes"
+RUNNING_SLOTS: Final = "running"
 
 
 def opt(name: str) -> str:

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from taskrunner.errors import ChangeStreamsUnsupported, InvalidTask, StoreError
+from taskrunner.gates import Limit, parse_rate
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
 
@@ -50,6 +51,39 @@ class LimitState(BaseModel):
     updated_at: UtcDatetime | None = None
     throttled_until: UtcDatetime | None = None
     """Set when a handler raised ``RateLimited``: no task of the name starts before it."""
+    rate_limit: str | None = None
+    """An operator's rate (``taskrunner limit NAME --rate 10/s``); wins over the code's.
+    Present but null: no rate, whatever the code says."""
+    max_running: int | None = None
+    """An operator's ``max_running``, as ``rate_limit``."""
+    declared: dict[str, Any] = Field(default_factory=dict)
+    """The limits the app's code declares, as its workers last wrote them (for operators)."""
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_rate(value)
+            except InvalidTask as exc:
+                raise ValueError(exc.message) from None
+        return value
+
+    @field_validator("max_running")
+    @classmethod
+    def _max_running(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    def limit(self, code: Limit) -> Limit:
+        """The limits in force: an operator's where set (null lifts one), else the code's."""
+        chosen = self.model_fields_set
+        rate = code.rate
+        if "rate_limit" in chosen:
+            rate = parse_rate(self.rate_limit) if self.rate_limit is not None else None
+        running = self.max_running if "max_running" in chosen else code.max_running
+        return Limit(rate, running, code.limit_by)
 
     @classmethod
     def read(cls, doc: dict[str, Any]) -> LimitState | str:
@@ -84,6 +118,20 @@ def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now:
     return frozenset(n for n in names if held(states.get(n)))
 
 
+def limits_in_force(
+    states: Mapping[str, LimitState | str], names: Sequence[str], declared: Mapping[str, Limit]
+) -> dict[str, Limit]:
+    """Each limited name's limits: operators' over the code's (an unreadable document
+    changes nothing)."""
+    limits = {}
+    for name in names:
+        code, state = declared.get(name, Limit()), states.get(name)
+        limit = state.limit(code) if isinstance(state, LimitState) else code
+        if limit:
+            limits[name] = limit
+    return limits
+
+
 class LimitWatch:
     """A worker's view of its names' limit documents: read again whenever the limits
     collection's change stream says something changed (an idle worker costs one getMore
@@ -96,9 +144,16 @@ class LimitWatch:
         names: Sequence[str],
         on_change: Callable[[frozenset[str]], None],
         now: Callable[[], datetime],
+        declared: Mapping[str, Limit] | None = None,
+        on_limits: Callable[[dict[str, Limit]], None] | None = None,
     ) -> None:
-        """``now`` is the worker's estimate of server time (a throttle ends by it)."""
+        """``now`` is the worker's estimate of server time (a throttle ends by it);
+        ``declared`` the code's fleet-wide limits, ``on_limits`` told those in force
+        (with operators' changes) whenever they change."""
         self.store, self.names, self.on_change, self.now = store, sorted(names), on_change, now
+        self.declared = dict(declared or {})
+        self.on_limits = on_limits
+        self.limits = {n: lim for n, lim in self.declared.items() if lim}
         self.paused: frozenset[str] = frozenset()
         self.problems: dict[str, str] = {}
         self._throttle_ends: float | None = None
@@ -118,6 +173,11 @@ class LimitWatch:
         if paused != self.paused:
             self.paused = paused
             self.on_change(paused)
+        limits = limits_in_force(states, self.names, self.declared)
+        if limits != self.limits:
+            self.limits = limits
+            if self.on_limits is not None:
+                self.on_limits(limits)
 
     async def run(self, stop: asyncio.Event, outage: Outage) -> None:
         stream: ChangeStream | None = None

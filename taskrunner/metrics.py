@@ -69,6 +69,12 @@ class PrometheusObserver:
             label,
             registry=reg,
         )
+        self.throttles = Counter(
+            "taskrunner_throttled_claims",
+            "Due tasks of a limited name held back to wait for their gate's permit (each time).",
+            label,
+            registry=reg,
+        )
         self.ticks = Counter(
             "taskrunner_schedule_ticks",
             "Tasks this worker published for schedule ticks (backups that found the tick done publish none).",
@@ -113,6 +119,10 @@ class PrometheusObserver:
 
     def fired(self, schedule_id: str, count: int) -> None:
         self.ticks.labels(schedule=schedule_id).inc(count)
+
+    def throttled(self, names: list[str]) -> None:
+        for name in names:
+            self.throttles.labels(task=name).inc()
 
 
 def serve_metrics(

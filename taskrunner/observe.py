@@ -24,6 +24,9 @@ class WorkerObserver(Protocol):
     def fired(self, schedule_id: str, count: int) -> None:
         """This worker fired a schedule's tick, publishing ``count`` new tasks."""
 
+    def throttled(self, names: list[str]) -> None:
+        """Due tasks of these names (one item each) waited for their gate's permit."""
+
 
 class NullObserver:
     def claimed(self, task: Task, entry: WorkerEntry) -> None:
@@ -36,4 +39,7 @@ class NullObserver:
         return None
 
     def fired(self, schedule_id: str, count: int) -> None:
+        return None
+
+    def throttled(self, names: list[str]) -> None:
         return None

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from taskrunner.errors import InvalidParams, InvalidTask, UnknownHandler
+from taskrunner.gates import Limit
 from taskrunner.models import NewTask, invalid_task
 
 Handler = Callable[..., Any]
@@ -22,6 +23,8 @@ class Registration:
     handler: Handler
     params_model: type[BaseModel] | None
     options: dict[str, Any] = field(default_factory=dict)
+    limit: Limit = field(default_factory=Limit)
+    """Fleet-wide limits the code declares (``rate_limit``, ``max_running``, ``limit_by``)."""
     wants_context: bool = True
     is_async: bool = True
 
@@ -65,13 +68,19 @@ class Registry:
     def __init__(self) -> None:
         self._by_name: dict[str, Registration] = {}
 
-    def add(self, name: str, handler: Handler, options: dict[str, Any]) -> Registration:
+    def add(
+        self, name: str, handler: Handler, options: dict[str, Any], limit: Limit | None = None
+    ) -> Registration:
         if name in self._by_name:
             raise ValueError(f"a handler is already registered for task name {name!r}")
         NewTask.build(key="-", name=name, options=options)  # fail at import time, not at publish
         arity = len(inspect.signature(handler).parameters)
+        model = params_model_of(handler)
+        limit = limit or Limit()
+        if limit.limit_by is not None and model is not None and limit.limit_by not in model.model_fields:
+            raise InvalidTask("limit_by", f"{limit.limit_by!r} is not a field of {model.__name__}")
         registration = Registration(
-            name, handler, params_model_of(handler), options,
+            name, handler, model, options, limit,
             wants_context=arity >= 2, is_async=inspect.iscoroutinefunction(handler),
         )  # fmt: skip
         self._by_name[name] = registration

@@ -19,10 +19,11 @@ from pymongo import monitoring
 from taskrunner import fields as f
 
 ENV_VAR = "TASKRUNNER_COUNT_ROUNDTRIPS"
-JOBS = ("claim", "run_writes", "discovery", "registry", "clock", "other")
+JOBS = ("claim", "run_writes", "discovery", "registry", "clock", "gates", "limits", "other")
 """What a worker's command was for: ``claim`` (claims and their read-backs), ``run_writes``
 (lease renewals, outcomes, releases), ``discovery`` (change stream and scans), ``registry``
-(beats and the peer list), ``clock`` (server time)."""
+(beats and the peer list), ``clock`` (server time), ``gates`` (fleet-wide limits' permits),
+``limits`` (pause and limit documents)."""
 
 
 _BULK = {"insert": "documents", "update": "updates", "delete": "deletes"}
@@ -42,8 +43,14 @@ def _statements(name: str, command: Mapping[str, Any]) -> int:
 def job_of(name: str, command: Mapping[str, Any]) -> str:
     """The worker job a command belongs to, from its name and body (see ``JOBS``)."""
     target = command.get("collection" if name == "getMore" else name)
-    if isinstance(target, str) and target.endswith(f".{f.REGISTRY_SUFFIX}"):
-        return "registry"
+    if isinstance(target, str):
+        for suffix, job in (
+            (f.REGISTRY_SUFFIX, "registry"),
+            (f.GATES_SUFFIX, "gates"),
+            (f.LIMITS_SUFFIX, "limits"),
+        ):
+            if target.endswith(f".{suffix}"):
+                return job
     if name == "hello":
         return "clock"
     if name in {"getMore", "aggregate", "killCursors"}:

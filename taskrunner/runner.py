@@ -25,6 +25,7 @@ from taskrunner.errors import (
     UnknownTaskName,
     WaitTimeout,
 )
+from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.limits import ALL, LimitState
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
 from taskrunner.registry import Registration, Registry, plain_params
@@ -75,15 +76,27 @@ class TaskRunner:
             )
         return self._store
 
-    def task(self, name: str | None = None, **options: Any) -> Callable[[H], H]:
+    def task(
+        self,
+        name: str | None = None,
+        *,
+        rate_limit: str | None = None,
+        max_running: int | None = None,
+        limit_by: str | None = None,
+        **options: Any,
+    ) -> Callable[[H], H]:
         """Register a handler: ``async def h(params: Model, ctx: TaskContext)``.
 
         ``options`` are the handler's default task options (see ``TaskOptions``).
+        Fleet-wide limits (docs/limits.md): at most ``rate_limit`` starts (``"100/m"``) in
+        any sliding window and at most ``max_running`` runs at once across all workers,
+        per value of the params field ``limit_by`` if given.
         """
+        limit = _limit(rate_limit, max_running, limit_by)
 
         def register(handler: H) -> H:
             _check_option_names(options)
-            self.registry.add(name or handler.__name__, handler, options)
+            self.registry.add(name or handler.__name__, handler, options, limit)
             return handler
 
         return register
@@ -331,6 +344,40 @@ class TaskRunner:
         names = await self.paused() if _limit_name(name) == ALL else [name]
         return [await self.store.pause(n, False) for n in names]
 
+    async def limit(
+        self,
+        name: str,
+        *,
+        rate_limit: str | None = None,
+        max_running: int | None = None,
+        clear: bool = False,
+    ) -> LimitState:
+        """Change ``name``'s fleet-wide limits live; workers apply it within a second.
+        ``rate_limit="off"`` / ``max_running=0`` lift that limit whatever the code declares;
+        ``clear`` drops what operators set, so the code's limits apply again."""
+        _limit_name(name)
+        if name == ALL:
+            raise InvalidTask("name", "limits apply to one task name, not '*'")
+        changes: dict[str, Any] = {}
+        if rate_limit is not None:
+            changes[f.RATE_LIMIT] = None if rate_limit == "off" else str(parse_rate(rate_limit))
+        if max_running is not None:
+            changes[f.MAX_RUNNING] = None if max_running == 0 else check_max_running(max_running)
+        return await self.store.set_limits(name, changes, clear=clear)
+
+    async def limits(self, name: str) -> tuple[Limit, LimitState | None]:
+        """``name``'s limits in force (as a worker of this app applies them) and its
+        stored limits document (None when there is none)."""
+        _limit_name(name)
+        code = self.registry.get(name).limit if name in self.registry.names() else Limit()
+        state = (await self.store.limits([name])).get(name)
+        if isinstance(state, str):
+            raise InvalidTask(f"limits.{name}", f"the stored document is unreadable: {state}")
+        if state is not None and not code and state.declared:
+            code = _limit(state.declared.get(f.RATE_LIMIT), state.declared.get(f.MAX_RUNNING),
+                          state.declared.get(f.LIMIT_BY))  # fmt: skip
+        return (state.limit(code) if state is not None else code), state
+
     async def paused(self) -> list[str]:
         """Names paused now (``"*"`` when every name is)."""
         stored = await self.store.limits()
@@ -448,6 +495,19 @@ def _check_unique_keys(tasks: Sequence[NewTask]) -> None:
         if task.key in seen:
             raise InvalidTask(f"tasks[{i}].key", f"duplicate key {task.key!r} in one publish_many call")
         seen.add(task.key)
+
+
+def _limit(rate_limit: str | None, max_running: int | None, limit_by: str | None) -> Limit:
+    limit = Limit(
+        parse_rate(rate_limit) if rate_limit is not None else None,
+        check_max_running(max_running) if max_running is not None else None,
+        limit_by,
+    )
+    if limit_by is not None and not limit:
+        raise InvalidTask("limit_by", "limits nothing without rate_limit or max_running")
+    if limit_by is not None and (not isinstance(limit_by, str) or not limit_by):
+        raise InvalidTask("limit_by", f"must be a params field name, got {limit_by!r}")
+    return limit
 
 
 def _limit_name(name: str) -> str:

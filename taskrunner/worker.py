@@ -40,6 +40,8 @@ from taskrunner.discovery import Discovery
 from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.fields import BUCKETS
+from taskrunner.gatekeeper import GateKeeper
+from taskrunner.gates import Limit, Permit
 from taskrunner.heartbeat import Heartbeat
 from taskrunner.limits import LimitWatch
 from taskrunner.models import Task, TaskState, WorkerInfo
@@ -151,7 +153,12 @@ class Worker:
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
-        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now)
+        self.declared = {name: runner.registry.get(name).limit for name in self.names}
+        self.gates = GateKeeper(self.store, self.worker_id, self.clock.now,
+                                {name: limit for name, limit in self.declared.items() if limit},
+                                capacity=concurrency, peers=self._serving)  # fmt: skip
+        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now,
+                                 declared=self.declared, on_limits=self._limits_changed)  # fmt: skip
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
@@ -187,14 +194,19 @@ class Worker:
         at = rules.next_claim(task, self.worker_id) if claimable else None
         if at is None:
             self.queue.discard(task.key)
+            self.gates.forget(task.key)
             return False
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
-        if mine or self.owns(task) or (steal and when + ORPHAN_GRACE <= self.clock.now()):
+        # A limited name's backlog waits for its gate, not for its owner: stealing it would
+        # only make two workers hold permits for one task (a takeover is still taken).
+        stealable = task.name not in self.gates.limits or task.state is TaskState.RUNNING
+        if mine or self.owns(task) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
-            self.queue.put(task.key, when, rank, fresh=fresh, name=task.name)
+            gate = self.gates.gate_of(task.name, task.params)
+            self.queue.put(task.key, when, rank, fresh=fresh, name=task.name, gate=gate)
             return True
         return False
 
@@ -202,10 +214,23 @@ class Worker:
         """The names this worker claims now: its handlers' names less the paused ones."""
         return sorted(self.names - self.limits.paused)
 
+    def free_names(self) -> list[str]:
+        """The active names without fleet-wide limits: claimed without a gate's permit."""
+        return [name for name in self.active_names() if name not in self.gates.limits]
+
     def _paused_changed(self, paused: frozenset[str]) -> None:
         """Drop queued tasks of newly paused names; sweep at once for resumed ones' backlog."""
         self.log.info("paused names changed", paused=sorted(paused))
         self.queue.drop_names(paused)
+        self.gates.give_back(lambda permit: self.gates.name_of(permit.gate) in paused)
+        self.sweep_at(None)
+
+    def _limits_changed(self, limits: dict[str, Limit]) -> None:
+        """Operators changed fleet-wide limits: queued tasks of those names are read again
+        (their gates may differ) and their permits given back."""
+        changed = self.gates.set_limits(limits)
+        self.log.info("limits changed", limits={n: limits[n].describe() for n in sorted(limits)})
+        self.queue.drop_names(frozenset(changed))
         self.sweep_at(None)
 
     def _server_now(self) -> datetime:
@@ -216,6 +241,10 @@ class Worker:
         ``seconds`` (the name's limits document holds ``throttled_until``)."""
         self.log.warning("rate limited by a handler", name=task.name, seconds=seconds)
         try:
+            limit = self.gates.limits.get(task.name)
+            if limit is not None and limit.limit_by is not None:  # that value only
+                await self.gates.throttle(self.gates.gate_of(task.name, task.params), task.name, seconds)
+                return
             await self.store.throttle(task.name, seconds)
             await self.limits.refresh()  # this worker, the likeliest to call again, stops at once
         except StoreError as exc:
@@ -227,6 +256,10 @@ class Worker:
         the same order, so one claims and the others never try, whatever events reach them."""
         return self._place(_token(task), [p.worker_id for p in self.peers if task.name in p.names])
 
+    def _serving(self, name: str) -> list[str]:
+        """Ids of the live workers that handle ``name``, this one included, sorted."""
+        return sorted([self.worker_id, *(p.worker_id for p in self.peers if name in p.names)])
+
     def owns(self, task: Task) -> bool:
         return self.rank(task) == 0
 
@@ -235,7 +268,8 @@ class Worker:
             raise ConfigurationError("the app registers no handlers: nothing to run")
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
         side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
-                "clock": self._clock_loop, "registry": self._registry_loop, "limits": self._limits_loop}  # fmt: skip
+                "clock": self._clock_loop, "registry": self._registry_loop, "limits": self._limits_loop,
+                "gates": lambda: self.gates.run(self._stop, self.declared)}  # fmt: skip
         if self.runner.schedules:
             side["scheduler"] = self._schedule_loop
         tasks = {
@@ -279,15 +313,23 @@ class Worker:
                     self._sweep_due = None
                     await self._sweep()
                     continue
-                if due and due[0].key == KEYLESS:
+                gated = [d for d in due if d.gate]
+                due = [d for d in due if not d.gate]
+                if gated and (not due or gated[0].rank <= due[0].rank):
+                    # A limited name goes first: claimed with its gate's permits.
+                    held += await self._take_free_slots(min(len(gated), self.batch) - 1)
+                    claims = await self._claim_gated(gated, held)
+                elif due and due[0].key == KEYLESS:
                     self.queue.discard(KEYLESS)  # one claim per request, whatever it finds
-                elif len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
-                    await asyncio.sleep(0)  # runs that ended together free their slots first
-                    held += await self._take_free_slots(min(len(due), self.batch) - 1)
-                if held >= MIN_BATCH:
-                    claims = await self._claim_batch([d for d in due if d.key not in SPECIAL][:held])
-                elif due:
                     claims = await self._claim(due)
+                else:
+                    if len(due) >= MIN_BATCH and self.batch >= MIN_BATCH:
+                        await asyncio.sleep(0)  # runs that ended together free their slots first
+                        held += await self._take_free_slots(min(len(due), self.batch) - 1)
+                    if held >= MIN_BATCH:
+                        claims = await self._claim_batch([d for d in due if d.key not in SPECIAL][:held])
+                    elif due:
+                        claims = await self._claim(due)
             finally:
                 for _ in range(held - len(claims)):
                     self._slots.release()
@@ -327,7 +369,7 @@ class Worker:
         key = None if due[0].key == KEYLESS else due[0].key
         try:
             claim = await self.store.claim(
-                self.worker_id, key=key, names=self.active_names(), fresh=due[0].fresh
+                self.worker_id, key=key, names=self.free_names(), fresh=due[0].fresh
             )
         except MalformedTask as exc:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
@@ -347,10 +389,7 @@ class Worker:
         """Several slots are free and several tasks due: claim them in one update."""
         try:
             claimed = await self.store.claim_many(
-                self.worker_id,
-                [d.key for d in due],
-                names=self.active_names(),
-                fresh=all(d.fresh for d in due),
+                self.worker_id, [d.key for d in due], names=self.free_names(), fresh=all(d.fresh for d in due)
             )
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
@@ -360,6 +399,50 @@ class Worker:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
         won = {c.task.key for c in claimed.claims}
         missed = [d for d in due if d.key not in won]
+        if missed:
+            self._claimed_none(missed)
+        self._claimed(claimed.claims)
+        return claimed.claims
+
+    async def _claim_gated(self, due: list[Due], slots: int) -> list[Claim]:
+        """Claim due tasks of limited names whose permits allow it now, at most ``slots``;
+        put the others back until their permit starts or their gate may give one."""
+        try:
+            ready, later = await self.gates.admit(due)
+        except StoreError as exc:
+            retry = self.clock.now() + self._claims.failed(exc)
+            later, ready = [(entry, retry) for entry in due], []
+        for entry, at in later:
+            self.queue.put(entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate)
+        if later:
+            self.observer.throttled(sorted(entry.name for entry, _ in later))
+        return await self._claim_with_permits(ready[:slots]) if ready else []
+
+    async def _claim_with_permits(self, ready: list[tuple[Due, Permit]]) -> list[Claim]:
+        """One claim for tasks whose permits are open now: the server takes them only
+        within every permit's window; each permit is then settled with its claim time."""
+        window = (max(p.start for _, p in ready), min(p.until for _, p in ready))
+        names = sorted({entry.name for entry, _ in ready})
+        keys = [entry.key for entry, _ in ready]
+        try:
+            claimed = await self.store.claim_many(
+                self.worker_id, keys, names=names, fresh=all(e.fresh for e, _ in ready), window=window
+            )
+        except StoreError as exc:
+            for entry, permit in ready:  # it may have landed: count each as a start at the latest
+                self.gates.used(entry, permit, permit.until)
+            await asyncio.sleep(self._claims.failed(exc))
+            return []
+        self._claims.ok()
+        rejected = {str(problem.key) for problem in claimed.rejected}
+        for problem in claimed.rejected:
+            self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
+        won = {claim.task.key: claim for claim in claimed.claims}
+        for entry, permit in ready:
+            claim = won.get(entry.key)
+            started = claim.entry.claimed_at if claim else permit.until if entry.key in rejected else None
+            self.gates.used(entry, permit, started, claim.run_id if claim else None)
+        missed = [entry for entry, _ in ready if entry.key not in won]
         if missed:
             self._claimed_none(missed)
         self._claimed(claimed.claims)
@@ -436,7 +519,9 @@ class Worker:
             else:
                 self._misses[entry.key] = misses
                 later = now + min(0.05 * 2**misses, 5.0)
-                self.queue.put(entry.key, later, entry.rank, fresh=entry.fresh, name=entry.name)
+                self.queue.put(
+                    entry.key, later, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate
+                )
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
@@ -456,6 +541,7 @@ class Worker:
 
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)
+        self.gates.finished(run_id)  # its outcome is written: its running slot is free
         self._slots.release()
         self.observer.in_flight(len(self.runs))
         if not task.cancelled() and task.exception() is not None:
@@ -551,3 +637,5 @@ class Worker:
             for task in pending:
                 task.cancel()  # each run then releases its claim
             await asyncio.gather(*pending, return_exceptions=True)
+        with suppress(StoreError):
+            await self.gates.close()  # permits and running slots back to the fleet

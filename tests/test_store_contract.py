@@ -715,3 +715,47 @@ async def _next_event(stream: ChangeStream) -> ChangeEvent | None:
         if event is not None:
             return event
     return None
+
+
+async def test_a_gate_is_written_only_where_its_expectations_hold(store: Store) -> None:
+    """``update_gate`` creates once, then sets paths (array indexes too) only while every
+    expected path holds its value, so workers changing different lanes never collide."""
+    assert await store.read_gate("g") is None
+    lanes = [{"at": datetime(2026, 1, 1, tzinfo=UTC), "holder": None} for _ in range(3)]
+    first = await store.update_gate("g", {"shape": None}, {"shape": "3/0", "lanes": lanes}, create=True)
+    assert first is not None and first["shape"] == "3/0"
+    assert await store.update_gate("g", {"shape": None}, {"shape": "1/0"}, create=True) is None  # exists
+    mine = {"shape": "3/0", "lanes.1.holder": None}
+    won = await store.update_gate("g", mine, {"lanes.1": {"at": lanes[1]["at"], "holder": "p1"}})
+    lost = await store.update_gate("g", mine, {"lanes.1": {"at": lanes[1]["at"], "holder": "p2"}})
+    other = await store.update_gate("g", {"shape": "3/0", "lanes.2.holder": None}, {"lanes.2.holder": "p3"})
+    assert won is not None and lost is None and other is not None
+    stored = await store.read_gate("g")
+    assert stored is not None and [lane["holder"] for lane in stored["lanes"]] == [None, "p1", "p3"]
+
+
+async def test_a_claim_with_a_window_happens_only_within_it_by_server_time(store: Store) -> None:
+    """A gate's permit: outside its window (server time) the task is not claimed, inside it is."""
+    await publish(store, task("w1"), task("w2"))
+    now = await store.server_time()
+    past = (now - timedelta(seconds=60), now - timedelta(seconds=30))
+    future = (now + timedelta(seconds=30), now + timedelta(seconds=60))
+    open_now = (now - timedelta(seconds=5), now + timedelta(seconds=30))
+    assert await store.claim("w", key="w1", window=past) is None
+    assert (await store.claim_many("w", ["w1", "w2"], window=future)).claims == []
+    claim = await store.claim("w", key="w1", window=open_now)
+    assert claim is not None and claim.entry.claimed_at >= open_now[0]
+    assert [c.task.key for c in (await store.claim_many("w", ["w2"], window=open_now)).claims] == ["w2"]
+
+
+async def test_operators_limits_override_and_clear_keeps_the_rest(store: Store) -> None:
+    """``set_limits`` sets or lifts (None) a limit; ``clear`` drops operators' limits but
+    keeps the pause and what the code declared."""
+    await store.declare_limits("quick", {"rate_limit": "5/1s", "max_running": None, "limit_by": None})
+    await store.pause("quick", True)
+    state = await store.set_limits("quick", {"rate_limit": "10/1s", "max_running": None})
+    assert (state.rate_limit, state.max_running, state.paused) == ("10/1s", None, True)
+    assert {"rate_limit", "max_running"} <= state.model_fields_set
+    cleared = await store.set_limits("quick", {}, clear=True)
+    assert cleared.paused and cleared.declared["rate_limit"] == "5/1s"
+    assert not {"rate_limit", "max_running"} & cleared.model_fields_set

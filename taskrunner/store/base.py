@@ -21,6 +21,9 @@ from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, Wo
 from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 
+Window = tuple[datetime, datetime]
+"""Server times between which a claim may happen (both included)."""
+
 EventKind = Literal["insert", "update", "replace", "delete"]
 RunWriteKind = Literal["ping", "success", "failure"]
 
@@ -199,8 +202,11 @@ class Store(Protocol):
         key: str | None = None,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claim | None:
         """Atomically claim ``key`` (or the best claimable task) for ``worker_id``.
+
+        ``window``: claim only while the server's clock is within it (a gate's permit).
 
         ``fresh``: claim only a task nobody ran yet (PENDING, no entries), for a key the
         caller saw that way; it is the cheapest claim, and a task that changed since is
@@ -213,10 +219,11 @@ class Store(Protocol):
         *,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claimed:
         """Atomically claim, each on its own, every one of ``keys`` still claimable by
         ``worker_id``, in at most two round trips (an update and a read back); ``fresh``
-        as for ``claim``."""
+        and ``window`` as for ``claim``."""
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         """Apply many runs' fenced writes in one round trip; one result per write.
@@ -303,6 +310,24 @@ class Store(Protocol):
     async def throttle(self, name: str, seconds: float) -> None:
         """Start no task of ``name`` for ``seconds`` from server now (``RateLimited``); a
         longer throttle already set is kept."""
+
+    async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
+        """Set operators' limits of ``name`` (``rate_limit``, ``max_running``: a value, or
+        None to lift that limit whatever the code says); ``clear`` first drops every
+        operator's limit, so the code's apply. The document is created when missing."""
+
+    async def declare_limits(self, name: str, declared: Mapping[str, Any]) -> None:
+        """Record the limits an app's code declares for ``name`` (shown to operators)."""
+
+    async def read_gate(self, gate: str) -> dict[str, Any] | None:
+        """The stored gate document (``taskrunner.gates``), or None."""
+
+    async def update_gate(
+        self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
+    ) -> dict[str, Any] | None:
+        """Set ``changes`` (dotted paths, array indexes allowed) if every ``expect`` path
+        holds its value (None: null or missing); ``create`` makes the document when
+        missing. The document written, or None when an expectation failed."""
 
     async def watch(
         self,

@@ -10,6 +10,7 @@ expression, hence ``{$eq: [expr, false]}``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from taskrunner import fields as f
@@ -513,3 +514,8 @@ def throttle_update(seconds: float) -> list[Expr]:
     is_date = {"$eq": [{"$type": f.ref(f.THROTTLED_UNTIL)}, "date"]}
     current = {"$cond": [is_date, f.ref(f.THROTTLED_UNTIL), until]}
     return [{"$set": {f.THROTTLED_UNTIL: {"$max": [current, until]}, f.UPDATED_AT: NOW}}]
+
+
+def window_filter(start: datetime, end: datetime) -> dict[str, Any]:
+    """Matches only while the server's clock is in ``[start, end]`` (a gate's permit)."""
+    return {"$expr": {"$and": [{"$gte": [NOW, start]}, {"$lte": [NOW, end]}]}}

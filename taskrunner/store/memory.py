@@ -42,6 +42,7 @@ from taskrunner.store.base import (
     Page,
     RunResult,
     RunWrite,
+    Window,
     due_page,
     page_of,
 )
@@ -50,6 +51,29 @@ Doc = dict[str, Any]
 
 
 _IMMUTABLE = (str, int, float, bool, bytes, datetime, ObjectId, type(None))
+
+
+def _at_path(doc: Any, path: str) -> Any:
+    """The value at a dotted path (array indexes allowed), None when missing."""
+    for part in path.split("."):
+        if isinstance(doc, dict):
+            doc = doc.get(part)
+        elif isinstance(doc, list) and part.isdigit() and int(part) < len(doc):
+            doc = doc[int(part)]
+        else:
+            return None
+    return doc
+
+
+def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    target: Any = doc
+    for part in parents:
+        target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
+    if isinstance(target, list):
+        target[int(last)] = value
+    else:
+        target[last] = value
 
 
 def _clone(value: Any) -> Any:
@@ -84,6 +108,7 @@ class MemoryStore:
         self._schedules: dict[str, Doc] = {}
         self._limits: dict[str, Doc] = {}
         self._limits_version = 0
+        self._gates: dict[str, Doc] = {}
         self._limits_changed = asyncio.Event()
 
     # -- test helpers ---------------------------------------------------------------
@@ -186,13 +211,16 @@ class MemoryStore:
         key: str | None = None,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claim | None:
-        return self._claim(worker_id, key, names, fresh)
+        return self._claim(worker_id, key, names, fresh, window)
 
     def _claim(
-        self, worker_id: str, key: str | None, names: Sequence[str] | None, fresh: bool
+        self, worker_id: str, key: str | None, names: Sequence[str] | None, fresh: bool, window: Window | None
     ) -> Claim | None:
         now = self._clock()
+        if window is not None and not window[0] <= now <= window[1]:
+            return None
         docs = self._docs.values() if key is None else [d for d in [self._docs.get(key)] if d is not None]
         eligible = [
             d
@@ -226,12 +254,13 @@ class MemoryStore:
         *,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claimed:
         claims: list[Claim] = []
         rejected: list[MalformedTask] = []
         for key in dict.fromkeys(keys):
             try:
-                claim = self._claim(worker_id, key, names, fresh)
+                claim = self._claim(worker_id, key, names, fresh, window)
             except MalformedTask as exc:
                 rejected.append(exc)
                 continue
@@ -418,6 +447,43 @@ class MemoryStore:
 
     async def watch_limits(self) -> ChangeStream:
         return _LimitsStream(self)
+
+    async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
+        doc = self._limits.setdefault(name, {f.ID: name})
+        if clear:
+            doc.pop(f.RATE_LIMIT, None)
+            doc.pop(f.MAX_RUNNING, None)
+        doc.update(_clone(dict(changes)))
+        doc[f.UPDATED_AT] = self._clock()
+        self._limit_written()
+        return readable_limit(_clone(doc))
+
+    async def declare_limits(self, name: str, declared: Mapping[str, Any]) -> None:
+        doc = self._limits.setdefault(name, {f.ID: name})
+        declared = dict(sorted(declared.items()))
+        if doc.get(f.DECLARED) != declared:
+            doc[f.DECLARED] = _clone(declared)
+            self._limit_written()
+
+    async def read_gate(self, gate: str) -> dict[str, Any] | None:
+        doc = self._gates.get(gate)
+        return dict(_clone(doc)) if doc is not None else None
+
+    async def update_gate(
+        self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
+    ) -> dict[str, Any] | None:
+        doc = self._gates.get(gate)
+        if doc is None and not create:
+            return None
+        current = doc if doc is not None else {f.ID: gate}
+        if any(_at_path(current, path) != value for path, value in expect.items()):
+            return None
+        updated = _clone(current)
+        for path, value in changes.items():
+            _set_path(updated, path, _clone(value))
+        updated[f.UPDATED_AT] = self._clock()
+        self._gates[gate] = updated
+        return dict(_clone(updated))
 
     def _limit_written(self) -> None:
         self._limits_version += 1

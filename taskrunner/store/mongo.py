@@ -52,6 +52,7 @@ from taskrunner.store.base import (
     Page,
     RunResult,
     RunWrite,
+    Window,
     due_page,
     page_of,
 )
@@ -110,6 +111,7 @@ class MongoStore:
         self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
         self.schedule_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.SCHEDULES_SUFFIX}"]
         self.limit_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.LIMITS_SUFFIX}"]
+        self.gate_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.GATES_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
@@ -285,12 +287,15 @@ class MongoStore:
         key: str | None = None,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claim | None:
         scope: Doc = {}
         if key is not None:
             scope[f.KEY] = key
         if names is not None:
             scope[f.NAME] = {"$in": list(names)}
+        if window is not None:
+            scope["$and"] = [x.window_filter(*window)]
         run_id = uuid.uuid4().hex
         # One command either way: a fresh claim is the small update (a third of the
         # server's work on a look-alike that interprets expressions), never followed by the
@@ -316,6 +321,7 @@ class MongoStore:
         *,
         names: Sequence[str] | None = None,
         fresh: bool = False,
+        window: Window | None = None,
     ) -> Claimed:
         keys = list(dict.fromkeys(keys))
         run_ids = [uuid.uuid4().hex for _ in keys]
@@ -326,6 +332,8 @@ class MongoStore:
         }
         if names is not None:
             query[f.NAME] = {"$in": list(names)}
+        if window is not None:
+            query["$and"] = [x.window_filter(*window)]
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
         with mapped_errors():
             if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
@@ -615,6 +623,52 @@ class MongoStore:
     async def throttle(self, name: str, seconds: float) -> None:
         with mapped_errors():
             await self.limit_docs.update_one({f.ID: name}, x.throttle_update(seconds), upsert=True)
+
+    async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
+        update: Doc = {"$currentDate": {f.UPDATED_AT: True}}
+        dropped = {field: "" for field in (f.RATE_LIMIT, f.MAX_RUNNING) if clear and field not in changes}
+        if changes:
+            update["$set"] = dict(changes)
+        if dropped:
+            update["$unset"] = dropped
+        with mapped_errors():
+            doc = await self.limit_docs.find_one_and_update(
+                {f.ID: name}, update, upsert=True, return_document=ReturnDocument.AFTER
+            )
+        assert doc is not None, "an upsert returns the document"
+        return readable_limit(doc)
+
+    async def declare_limits(self, name: str, declared: Mapping[str, Any]) -> None:
+        # Only when it differs: every write wakes every worker's limits stream.
+        declared = dict(sorted(declared.items()))
+        try:
+            with mapped_errors():
+                await self.limit_docs.update_one(
+                    {f.ID: name, f.DECLARED: {"$ne": declared}},
+                    {"$set": {f.DECLARED: declared}, "$currentDate": {f.UPDATED_AT: True}},
+                    upsert=True,
+                )
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, pe.DuplicateKeyError):  # already so: nothing to do
+                raise
+
+    async def read_gate(self, gate: str) -> dict[str, Any] | None:
+        with mapped_errors():
+            return await self.gate_docs.find_one({f.ID: gate})
+
+    async def update_gate(
+        self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
+    ) -> dict[str, Any] | None:
+        update = {"$set": dict(changes), "$currentDate": {f.UPDATED_AT: True}}
+        try:
+            with mapped_errors():
+                return await self.gate_docs.find_one_and_update(
+                    {f.ID: gate, **expect}, update, upsert=create, return_document=ReturnDocument.AFTER
+                )
+        except StoreError as exc:
+            if isinstance(exc.__cause__, pe.DuplicateKeyError):
+                return None  # created meanwhile by another worker: an expectation failed
+            raise
 
     async def watch(
         self,

@@ -162,3 +162,31 @@ async def calls_api(params: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     if ctx.key == params.get("limited_key") and len(marks_of(ctx.key)) == 1:
         raise RateLimited(retry_after=params["retry_after"])
     return {"attempt": ctx.attempt}
+
+
+@runner.task("metered", rate_limit="4/s")
+async def metered(params: dict[str, Any], ctx: TaskContext) -> None:
+    """At most 4 starts per second across the fleet (fleet-wide rate limit)."""
+
+
+class ExclusiveParams(BaseModel):
+    seconds: float = 0.3
+
+
+@runner.task("exclusive", max_running=2)
+async def exclusive(params: ExclusiveParams, ctx: TaskContext) -> None:
+    """At most 2 runs at once across the fleet."""
+    await asyncio.sleep(params.seconds)
+
+
+class TenantParams(BaseModel):
+    tenant: str
+    throttle: float = 0.0
+
+
+@runner.task("per_tenant", rate_limit="2/s", limit_by="tenant")
+async def per_tenant(params: TenantParams, ctx: TaskContext) -> None:
+    """2 starts per second per tenant; a task with ``throttle`` set says "slow down" once."""
+    mark("start", ctx)
+    if params.throttle and len(marks_of(ctx.key)) == 1:
+        raise RateLimited(retry_after=params.throttle)

@@ -1,0 +1,135 @@
+"""Fleet-wide limits with real ``taskrunner worker`` processes (docs/limits.md): a rate
+never exceeded in any sliding window, max_running never exceeded at any instant, per
+``limit_by`` value, changed live from the CLI; judged from the documents' server times."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+from workers import WorkerPool, wait_for
+
+from taskrunner import Task, TaskRunner, TaskState
+from taskrunner.cli import app
+
+pytestmark = pytest.mark.mongo
+
+
+async def _cli(mongo_uri: str, collection: str, *args: str) -> Result:
+    """The CLI in a thread: it runs its own event loop, and the test's keeps going."""
+    where = ["--mongo-uri", mongo_uri, "--collection", collection]
+    result = await asyncio.to_thread(CliRunner(env={"COLUMNS": "250"}).invoke, app, [*args, *where])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+async def _done(runner: TaskRunner, name: str, count: int) -> list[Task] | None:
+    tasks = await runner.list_tasks(name=name, limit=count + 100)
+    finished = [t for t in tasks if t.state is TaskState.SUCCESS]
+    return finished if len(finished) >= count else None
+
+
+def _starts(tasks: list[Task]) -> list[datetime]:
+    """Every run's start (claimed_at, server time), including runs that snoozed."""
+    return sorted(entry.claimed_at for task in tasks for entry in task.workers)
+
+
+def _most_in_window(starts: list[datetime], seconds: float) -> int:
+    best, first = 0, 0
+    for last, start in enumerate(starts):
+        while (start - starts[first]).total_seconds() >= seconds:
+            first += 1
+        best = max(best, last - first + 1)
+    return best
+
+
+def _most_at_once(tasks: list[Task]) -> int:
+    """The most runs whose [claimed_at, finished_at] intervals overlap at one instant."""
+    edges = []
+    for task in tasks:
+        for entry in task.workers:
+            assert entry.finished_at is not None
+            edges += [(entry.claimed_at, 1), (entry.finished_at, -1)]
+    running = best = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a start at one instant
+        running += step
+        best = max(best, running)
+    return best
+
+
+async def _start_workers(pool: WorkerPool, count: int) -> None:
+    workers = pool.start_many([f"w{i}" for i in range(count)], "--beat-interval", "0.5")
+    await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
+    await asyncio.sleep(1.5)  # every worker has seen the others in the registry
+
+
+async def test_a_rate_limit_holds_in_every_sliding_window_across_workers(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """metered is declared "4/s": 24 tasks on 3 worker processes never start more than 4
+    in any 1 s window, and all of them run."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 3)
+        await runner.publish_many([{"name": "metered", "key": f"m{i}"} for i in range(24)])
+        tasks = await wait_for(lambda: _done(runner, "metered", 24), 120, "the metered tasks")
+    assert _most_in_window(_starts(tasks), 1.0) <= 4
+
+
+async def test_max_running_is_never_exceeded_at_any_instant(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """exclusive is declared max_running=2: 12 tasks of 0.3 s on 3 worker processes (10
+    slots each) never overlap more than 2 at once, by the documents' start and end times."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 3)
+        await runner.publish_many([{"name": "exclusive", "key": f"x{i}"} for i in range(12)])
+        tasks = await wait_for(lambda: _done(runner, "exclusive", 12), 120, "the exclusive tasks")
+    assert _most_at_once(tasks) <= 2
+
+
+async def test_limit_by_limits_each_value_and_rate_limited_holds_back_only_that_value(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """per_tenant is "2/s" per tenant: each tenant's starts keep to 2 in any second; a
+    handler's RateLimited(retry_after=3) for tenant a holds back only tenant a: no task of
+    it starts before the gate's throttled_until (server time), while tenant b runs."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 2)
+        await runner.publish("per_tenant", {"tenant": "a", "throttle": 3.0}, key="a-first")
+        until = await wait_for(lambda: _throttled_until(runner, 'per_tenant#"a"'), 60, "tenant a's throttle")
+        tasks = [
+            {"name": "per_tenant", "key": f"{t}{i}", "params": {"tenant": t}} for t in "ab" for i in range(6)
+        ]
+        await runner.publish_many(tasks)
+        done = await wait_for(lambda: _done(runner, "per_tenant", 13), 120, "the tenants' tasks")
+    by_tenant = {t: [task for task in done if task.params["tenant"] == t] for t in "ab"}
+    for tenant, its in by_tenant.items():
+        assert _most_in_window(_starts(its), 1.0) <= 2, tenant
+    assert min(_starts(by_tenant["a"])) >= until
+    assert min(_starts(by_tenant["b"])) < until
+
+
+async def _throttled_until(runner: TaskRunner, gate: str) -> datetime | None:
+    doc = await runner.store.read_gate(gate)
+    until = doc.get("throttled_until") if doc else None
+    return until.replace(tzinfo=UTC) if isinstance(until, datetime) and until.tzinfo is None else until
+
+
+async def test_an_operator_changes_a_rate_live_and_clear_restores_the_code(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """`taskrunner limit metered --rate 2/s` applies to starts from a second later (no
+    window holds more than 2); `limit metered` shows it; `--clear` goes back to 4/s."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 2)
+        shown = await _cli(mongo_uri, collection_name, "limit", "metered", "--rate", "2/s")
+        assert "rate 2/1s" in shown.output and "set by operators: rate_limit" in shown.output
+        await asyncio.sleep(1.0)
+        await runner.publish_many([{"name": "metered", "key": f"slow{i}"} for i in range(10)])
+        tasks = await wait_for(lambda: _done(runner, "metered", 10), 120, "the slowed tasks")
+        assert _most_in_window(_starts(tasks), 1.0) <= 2
+        cleared = await _cli(mongo_uri, collection_name, "limit", "metered", "--clear")
+    assert "metered: rate 4/1s" in cleared.output and "set by operators" not in cleared.output
