@@ -1,14 +1,16 @@
-"""Fleet-wide rate limit precision, and what a limited name costs the server per task.
+"""Fleet-wide limits: precision, and what a limited name costs the server per task.
 
-W ``taskrunner worker`` processes (counting their round trips) run N no-op tasks twice,
-side by side on one dev server: once with ``taskrunner limit noop --rate R`` in force,
-once without. From the task documents (``claimed_at``, server time) it reports the most
-starts any window of the rate's period holds (the limit: never more), the achieved rate
-while the backlog lasts (starts / (last - first + period)), and server commands per
-task of both runs (each worker's own count, all jobs).
+W ``taskrunner worker`` processes (counting their round trips) run N no-op tasks,
+published in chunks of 100 as fast as the server takes them, four times, side by side on one dev server: with ``taskrunner limit noop --rate R`` in force,
+without any limit, and with ``--max-running M`` (tasks sleeping ``--hold`` seconds).
+From the task documents (server times) it reports the most starts any window of the
+rate's period holds (the promise: never more than the limit), the achieved rate while
+the backlog lasts (starts / (last - first + period)), the most runs at once under
+max_running (never more than M), and server commands per task of each run (every
+command of every worker, from start to stop).
 
     uv run python bench/ratelimit.py [--workers 8] [--tasks 2000] [--rate 50/s]
-                                     [--rounds 1] [--smoke] [--results PATH]
+                                     [--max-running 3] [--hog] [--smoke] [--results PATH]
 """
 
 from __future__ import annotations
@@ -17,43 +19,57 @@ import argparse
 import asyncio
 import bisect
 import time
+from collections import Counter
 from typing import Any
 
 from common import add_common_args, emit
 from processes import Processes, dev_server, stop_and_count, wait_until
+from versus import cpu_hog
 
-from taskrunner import TaskRunner, TaskState
+from taskrunner import Task, TaskRunner, TaskState
 from taskrunner.gates import parse_rate
 
 
-async def run_once(uri: str, collection: str, workers: int, tasks: int, rate: str | None) -> dict[str, Any]:
-    """Run ``tasks`` no-ops on ``workers`` processes (rate-limited if ``rate``)."""
+async def run_once(
+    uri: str, collection: str, args: argparse.Namespace, limit: dict[str, Any]
+) -> dict[str, Any]:
+    """Run the tasks on ``args.workers`` processes with ``limit`` set on their name."""
+    name = "sleep" if "max_running" in limit else "noop"
+    params = {"seconds": args.hold} if name == "sleep" else {}
+    tasks = args.tasks if name == "noop" else args.held_tasks
     with Processes(uri, collection) as procs:
         async with TaskRunner(uri, collection=collection) as runner:
             await runner.init()
-            if rate is not None:
-                await runner.limit("noop", rate_limit=rate)
-            names = [f"w{i}" for i in range(workers)]
-            for name in names:
-                procs.worker(name, env={"TASKRUNNER_COUNT_ROUNDTRIPS": "1"})
+            if limit:
+                await runner.limit(name, **limit)
+            names = [f"w{i}" for i in range(args.workers)]
+            for worker in names:
+                procs.worker(worker, env={"TASKRUNNER_COUNT_ROUNDTRIPS": "1"})
 
             async def registered() -> bool:
-                return len(await runner.workers()) >= workers
+                return len(await runner.workers()) >= args.workers
+
+            await wait_until(registered, 120, f"{args.workers} workers to register", interval=0.1)
+            await asyncio.sleep(3)  # every worker has read the registry and its limits
+            started = time.monotonic()
+            for first in range(0, tasks, 100):  # small chunks: a big write into a busy dev server stalls it
+                batch = range(first, min(first + 100, tasks))
+                await runner.publish_many([{"name": name, "key": f"t{i}", "params": params} for i in batch])
+                await asyncio.sleep(0.1)
 
             async def done() -> bool:
                 return await runner.store.count(state=TaskState.SUCCESS) >= tasks
 
-            await wait_until(registered, 120, f"{workers} workers to register", interval=0.1)
-            await asyncio.sleep(3)  # every worker has read the registry and its limits
-            for first in range(0, tasks, 200):  # chunks: one huge write stalls the dev server
-                await runner.publish_many([{"name": "noop", "key": f"t{i}"} for i in range(first, min(first + 200, tasks))])
-            started = time.monotonic()
-            await wait_until(done, 600, f"{tasks} tasks", interval=0.2)
+            await wait_until(done, 900, f"{tasks} tasks", interval=0.2)
             elapsed = time.monotonic() - started
-            found = await runner.list_tasks(name="noop", limit=tasks + 10)
-            commands, _ = await stop_and_count(procs, names)
-    starts = sorted(t.workers[0].claimed_at.timestamp() for t in found)
-    return {"starts": starts, "commands": sum(commands.values()), "seconds": round(elapsed, 2)}
+            found = await runner.list_tasks(name=name, limit=tasks + 10)
+            commands, jobs = await stop_and_count(procs, names)
+            gates = Counter[str]()
+            for worker in names:
+                for event in procs.events(worker, "gate round trips"):
+                    gates.update({k: v for k, v in event.items() if isinstance(v, int)})
+    return {"tasks": found, "commands": sum(commands.values()), "jobs": dict(jobs), "gates": dict(gates),
+            "seconds": round(elapsed, 2)}  # fmt: skip
 
 
 def most_in_window(starts: list[float], period: float) -> int:
@@ -61,25 +77,54 @@ def most_in_window(starts: list[float], period: float) -> int:
     return max(bisect.bisect_left(starts, s + period) - i for i, s in enumerate(starts))
 
 
+def most_at_once(tasks: list[Task]) -> int:
+    edges = sorted((t, step) for task in tasks for e in task.workers if e.finished_at
+                   for t, step in ((e.claimed_at.timestamp(), 1), (e.finished_at.timestamp(), -1)))  # fmt: skip
+    running = best = 0
+    for _, step in edges:
+        running += step
+        best = max(best, running)
+    return best
+
+
 async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any]:
-    period = parse_rate(args.rate).period
-    limited = await run_once(uri, f"rl_{run}_limited", args.workers, args.tasks, args.rate)
-    free = await run_once(uri, f"rl_{run}_free", args.workers, args.tasks, None)
-    starts = limited["starts"]
-    achieved = len(starts) / (starts[-1] - starts[0] + period)
-    limit = parse_rate(args.rate).limit
+    rate = parse_rate(args.rate)
+    with cpu_hog(args.hog):
+        limited = await run_once(uri, f"rl_{run}_limited", args, {"rate_limit": args.rate})
+        free = await run_once(uri, f"rl_{run}_free", args, {})
+        capped = await run_once(uri, f"rl_{run}_capped", args, {"max_running": args.max_running})
+        held_free = await run_once(uri, f"rl_{run}_held", args, {"max_running": 0})
+    starts = sorted(e.claimed_at.timestamp() for t in limited["tasks"] for e in t.workers)
+    free_starts = sorted(e.claimed_at.timestamp() for t in free["tasks"] for e in t.workers)
+    achieved = len(starts) / (starts[-1] - starts[0] + rate.period) * rate.period
+    unlimited = len(free_starts) / (free_starts[-1] - free_starts[0] + rate.period) * rate.period
     per_task = limited["commands"] / args.tasks
     free_per_task = free["commands"] / args.tasks
+    capped_per_task = capped["commands"] / args.held_tasks
+    held_per_task = held_free["commands"] / args.held_tasks
     return {
-        "max_starts_per_window": most_in_window(starts, period),
-        "limit": limit,
-        "achieved_per_s": round(achieved * period, 2),
-        "achieved_share": round(achieved * period / limit, 3),
+        "max_starts_per_window": most_in_window(starts, rate.period),
+        "limit": rate.limit,
+        "achieved_per_period": round(achieved, 2),
+        "achieved_share": round(achieved / rate.limit, 3),
+        "unlimited_per_period": round(unlimited, 2),
+        "max_starts_per_window_unlimited": most_in_window(free_starts, rate.period),
         "commands_per_task_limited": round(per_task, 2),
         "commands_per_task_unlimited": round(free_per_task, 2),
         "commands_ratio": round(per_task / free_per_task, 3),
-        "seconds_limited": limited["seconds"],
-        "seconds_unlimited": free["seconds"],
+        "gate_commands_per_task": round(limited["jobs"].get("gates", 0) / args.tasks, 3),
+        "gate_counts": limited["gates"],
+        "max_running": args.max_running,
+        "most_running_at_once": most_at_once(capped["tasks"]),
+        "most_running_at_once_unlimited": most_at_once(held_free["tasks"]),
+        "commands_per_task_capped": round(capped_per_task, 2),
+        "commands_per_task_uncapped": round(held_per_task, 2),
+        "seconds": {
+            "limited": limited["seconds"],
+            "unlimited": free["seconds"],
+            "capped": capped["seconds"],
+            "uncapped": held_free["seconds"],
+        },
     }
 
 
@@ -87,20 +132,27 @@ async def main(args: argparse.Namespace) -> None:
     with dev_server() as uri:
         for run in range(args.rounds):
             figures = await measure(uri, args, run)
-            config = {"workers": args.workers, "tasks": args.tasks, "rate": args.rate}
+            config = {"workers": args.workers, "tasks": args.tasks, "rate": args.rate, "hog": args.hog,
+                      "max_running": args.max_running, "held_tasks": args.held_tasks, "hold": args.hold}  # fmt: skip
             emit("ratelimit", config, figures, results=args.results, smoke=args.smoke)
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--rate", default="50/s")
+    parser.add_argument("--max-running", type=int, default=3)
+    parser.add_argument("--held-tasks", type=int, default=200, help="tasks of the max_running runs")
+    parser.add_argument("--hold", type=float, default=0.05, help="seconds each max_running task sleeps")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--hog", action="store_true", help="keep both cores busy during every run")
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.workers, args.tasks, args.rate = 2, 40, "20/s"
+        args.workers, args.tasks, args.rate, args.held_tasks = 2, 40, "20/s", 10
     return args
 
 

@@ -79,6 +79,7 @@ class GateKeeper:
         self._runs: dict[str, Permit] = {}  # by run id: permits holding a running slot
         self._retry: dict[str, float] = {}  # by gate: asking sooner gives nothing
         self._misses: dict[str, int] = {}  # by gate: asks in a row that got nothing
+        self._asked: dict[str, float] = {}  # by name: when this worker last asked
         self._names: dict[str, str] = {}  # gate -> task name
         self._problems: dict[str, str] = {}
         self._lock = asyncio.Lock()
@@ -107,8 +108,14 @@ class GateKeeper:
         return changed
 
     # -- permits ---------------------------------------------------------------------------------
-    def holds(self, key: str) -> bool:
-        return key in self._held
+    def busy(self, name: str) -> bool:
+        """Whether this worker is working a limited name's backlog: it holds permits of
+        it or asked for some within the last second."""
+        if name not in self.limits:
+            return False
+        asked = self._asked.get(name)
+        recent = asked is not None and asked > self.now() - 1.0
+        return recent or any(self.name_of(p.gate) == name for p in self._held.values())
 
     async def admit(
         self, due: Iterable[Due], *, ask_now: bool = False
@@ -204,6 +211,7 @@ class GateKeeper:
         """Permits for ``want`` tasks: as many as this worker's fair share of the gate
         allows, the rest only on lanes or slots nobody took for a moment."""
         limit = self.limits.get(name, Limit())
+        self._asked[name] = self.now()
         peers = self.peers(name)
         size = limit.rate.limit if limit.rate else limit.max_running or 1
         share = -(-size // max(1, len(peers))) - sum(p.gate == gate for p in self._held.values())

@@ -198,9 +198,10 @@ class Worker:
             return False
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
-        # A limited name's backlog waits for its gate, not for its owner: stealing it would
-        # only make two workers hold permits for one task (a takeover is still taken).
-        stealable = task.name not in self.gates.limits or task.state is TaskState.RUNNING
+        # A limited name's backlog waits for its gate, not for its owner: a worker busy with
+        # the name steals none of it (two workers would hold permits for one task); an idle
+        # one does, so a backlog found by sweeps is not left to its owners alone.
+        stealable = task.state is TaskState.RUNNING or not self.gates.busy(task.name)
         if mine or self.owns(task) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
