@@ -68,6 +68,10 @@ class ClaimQueue:
             self._rebuild()
         self.changed.set()
 
+    def again(self, entry: Due, at: float) -> None:
+        """Put ``entry`` back for ``at`` (server time), all else as it was."""
+        self.put(entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate)
+
     def discard(self, key: str) -> None:
         if self._live.pop(key, None) is not None:
             self.changed.set()

@@ -25,7 +25,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from taskrunner.errors import ChangeStreamsUnsupported, InvalidTask, StoreError
-from taskrunner.gates import Limit, parse_rate
+from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
 
@@ -72,9 +72,10 @@ class LimitState(BaseModel):
     @field_validator("max_running")
     @classmethod
     def _max_running(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError("must be at least 1")
-        return value
+        try:
+            return check_max_running(value) if value is not None else None
+        except InvalidTask as exc:
+            raise ValueError(exc.message) from None
 
     def limit(self, code: Limit) -> Limit:
         """The limits in force: an operator's where set (null lifts one), else the code's."""

@@ -48,7 +48,7 @@ from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
 from taskrunner.schedules import Scheduler
-from taskrunner.store.base import Claim, Store
+from taskrunner.store.base import Claim, Claimed, Store, Window
 from taskrunner.writes import RunWrites
 
 if TYPE_CHECKING:
@@ -154,11 +154,10 @@ class Worker:
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
         self.declared = {name: runner.registry.get(name).limit for name in self.names}
-        self.gates = GateKeeper(self.store, self.worker_id, self.clock.now,
-                                {name: limit for name, limit in self.declared.items() if limit},
-                                capacity=concurrency, peers=self._serving)  # fmt: skip
         self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now,
                                  declared=self.declared, on_limits=self._limits_changed)  # fmt: skip
+        self.gates = GateKeeper(self.store, self.worker_id, self.clock.now, self.limits.limits,
+                                capacity=concurrency, peers=self._serving)  # fmt: skip
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
@@ -388,13 +387,25 @@ class Worker:
 
     async def _claim_batch(self, due: list[Due]) -> list[Claim]:
         """Several slots are free and several tasks due: claim them in one update."""
+        claimed = await self._claim_keys(due, self.free_names())
+        return claimed.claims if claimed is not None else []
+
+    async def _claim_keys(
+        self, due: list[Due], names: list[str], window: Window | None = None
+    ) -> Claimed | None:
+        """Claim these keys, each on its own, in one update (one command for a single key);
+        None when the server failed, and then the claims may have landed."""
+        keys, fresh = [d.key for d in due], all(d.fresh for d in due)
         try:
-            claimed = await self.store.claim_many(
-                self.worker_id, [d.key for d in due], names=self.free_names(), fresh=all(d.fresh for d in due)
-            )
+            if len(keys) == 1:
+                claimed = await self._claim_one(keys[0], names, fresh, window)
+            else:
+                claimed = await self.store.claim_many(
+                    self.worker_id, keys, names=names, fresh=fresh, window=window
+                )
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
-            return []
+            return None
         self._claims.ok()
         for problem in claimed.rejected:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
@@ -403,7 +414,15 @@ class Worker:
         if missed:
             self._claimed_none(missed)
         self._claimed(claimed.claims)
-        return claimed.claims
+        return claimed
+
+    async def _claim_one(self, key: str, names: list[str], fresh: bool, window: Window | None) -> Claimed:
+        """``claim_many`` of one key, as the single findAndModify ``claim`` is."""
+        try:
+            claim = await self.store.claim(self.worker_id, key=key, names=names, fresh=fresh, window=window)
+        except MalformedTask as exc:
+            return Claimed([], [exc])
+        return Claimed([claim] if claim is not None else [], [])
 
     async def _claim_gated(self, due: list[Due], slots: int) -> list[Claim]:
         """Claim due tasks of limited names whose permits allow it now, at most ``slots``;
@@ -414,7 +433,7 @@ class Worker:
             retry = self.clock.now() + self._claims.failed(exc)
             later, ready = [(entry, retry) for entry in due], []
         for entry, at in later:
-            self.queue.put(entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate)
+            self.queue.again(entry, at)
         if later:
             self.observer.throttled(sorted(entry.name for entry, _ in later))
         return await self._claim_with_permits(ready[:slots]) if ready else []
@@ -423,30 +442,19 @@ class Worker:
         """One claim for tasks whose permits are open now: the server takes them only
         within every permit's window; each permit is then settled with its claim time."""
         window = (max(p.start for _, p in ready), min(p.until for _, p in ready))
-        names = sorted({entry.name for entry, _ in ready})
-        keys = [entry.key for entry, _ in ready]
-        try:
-            claimed = await self.store.claim_many(
-                self.worker_id, keys, names=names, fresh=all(e.fresh for e, _ in ready), window=window
-            )
-        except StoreError as exc:
+        claimed = await self._claim_keys(
+            [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
+        )
+        if claimed is None:
             for entry, permit in ready:  # it may have landed: count each as a start at the latest
                 self.gates.used(entry, permit, permit.until)
-            await asyncio.sleep(self._claims.failed(exc))
             return []
-        self._claims.ok()
         rejected = {str(problem.key) for problem in claimed.rejected}
-        for problem in claimed.rejected:
-            self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
         won = {claim.task.key: claim for claim in claimed.claims}
         for entry, permit in ready:
             claim = won.get(entry.key)
             started = claim.entry.claimed_at if claim else permit.until if entry.key in rejected else None
             self.gates.used(entry, permit, started, claim.run_id if claim else None)
-        missed = [entry for entry, _ in ready if entry.key not in won]
-        if missed:
-            self._claimed_none(missed)
-        self._claimed(claimed.claims)
         return claimed.claims
 
     def _sweep_intervals(self) -> tuple[float, float]:
@@ -520,9 +528,7 @@ class Worker:
             else:
                 self._misses[entry.key] = misses
                 later = now + min(0.05 * 2**misses, 5.0)
-                self.queue.put(
-                    entry.key, later, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate
-                )
+                self.queue.again(entry, later)
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
