@@ -116,6 +116,11 @@ LAST_KEY: Final = "last_key"
 DECLARED_AT: Final = "declared_at"
 PAUSED_AT: Final = "paused_at"
 THROTTLED_UNTIL: Final = "throttled_until"
+THROTTLED_GATES: Final = "throttled_gates"
+"""In a limits document: ``[{gate, until}]``, the ``limit_by`` values a handler's
+``RateLimited`` holds back (``gate`` as in ``<collection>.gates``)."""
+GATE: Final = "gate"
+UNTIL: Final = "until"
 RESUMED_AT: Final = "resumed_at"
 SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
                               JITTER, GRACE)  # fmt: skip
@@ -125,8 +130,8 @@ SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIME
 # -- flow control by task name (collection "<tasks collection>.limits"; docs/limits.md) ----------
 LIMITS_SUFFIX: Final = "limits"
 # A document's _id is the task name ("*": every name); it holds PAUSED, PAUSED_AT, RESUMED_AT,
-# UPDATED_AT, THROTTLED_UNTIL and operators' RATE_LIMIT and MAX_RUNNING. The registry's PAUSED
-# lists the names a worker has paused right now.
+# UPDATED_AT, THROTTLED_UNTIL, THROTTLED_GATES and operators' RATE_LIMIT and MAX_RUNNING. The
+# registry's PAUSED lists the names a worker has paused right now.
 RATE_LIMIT: Final = "rate_limit"
 MAX_RUNNING: Final = "max_running"
 LIMIT_BY: Final = "limit_by"

@@ -1,12 +1,16 @@
-"""A worker's side of the fleet-wide limits: the permits it holds and what it owes the
-gates (``taskrunner.gates`` has the arithmetic and the document; docs/limits.md).
+"""A worker's side of the fleet-wide limits: the lanes and running slots it leases, and
+the permits it makes from them (``taskrunner.gates`` has the arithmetic and the
+document; docs/limits.md).
 
-Before claiming a task of a limited name the worker needs a permit of the task's gate.
-It asks for as many as it has due tasks behind the gate, in one compare-and-set of the
-gate document that also settles what it owes: the claim times of permits it used,
-permits it did not use, running slots of finished runs. A task whose permit starts later
-waits in the claim queue until then; one without a permit waits until asking again can
-give one (the gate says when), so a limited name is never claimed and released in a loop.
+Before claiming a task of a limited name the worker needs a permit: one of its leased
+lanes whose next start has come, and one of its leased running slots that is free. Both
+are its own, so a permit costs no round trip; the claim carries the permit's window and
+the server refuses it outside. The gate document is written only to take lanes and slots
+(when a due task finds none), to renew their lease (every ``LEASE / 3``), and to give
+them back (``IDLE`` seconds after the last due task, when limits change, at shutdown).
+A task that finds no permit waits in the claim queue until a lane of this worker opens,
+a slot frees, or asking the gate again may give more, so a limited name is never claimed
+and released in a loop.
 """
 
 from __future__ import annotations
@@ -16,24 +20,26 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from contextlib import suppress
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from taskrunner import fields as f
+from taskrunner.errors import StoreError
 from taskrunner.gates import (
-    SLOT_LEASE,
+    IDLE,
     Change,
     GateDoc,
-    Grant,
+    Lease,
     Limit,
     Permit,
-    Settlement,
+    dealt,
     gate_id,
-    grant,
-    preferred_lanes,
-    settle,
+    release,
+    renew,
+    resize,
+    take,
 )
 
 if TYPE_CHECKING:
@@ -41,16 +47,17 @@ if TYPE_CHECKING:
     from taskrunner.store.base import Store
 
 log = structlog.get_logger("taskrunner.gates")
-MARGIN = 0.01
-"""Seconds a worker waits past a permit's start before claiming: its estimate of the
-server's clock may run a little ahead, and a claim that comes too early is refused."""
-SETTLE_DELAY = 0.25
-"""Seconds a settlement waits to ride on this worker's next ask (which, while a backlog
-lasts, comes at once); a lane waits for its settlement no longer than ``gates.HOLD``."""
-MAX_BACKOFF = 0.5
-"""Most seconds between asks of a worker that keeps getting no permit."""
-ATTEMPTS = 4
-"""Compare-and-set attempts per write before giving up until the next ask."""
+TICK = 0.5
+"""Seconds between looks at what to renew or give back."""
+RECHECK = 0.2
+"""Seconds before a task waiting for one of this worker's running slots looks again
+(slots free when runs end; looking costs no round trip)."""
+MAX_BACKOFF = 4.0
+"""Most seconds between asks of a worker that keeps getting nothing from a gate."""
+ASK_AGAIN = 1.0
+"""Seconds before asking a gate for more after an ask that gave something."""
+ATTEMPTS = 3
+"""Conditional-write attempts per change before giving up until the next tick or ask."""
 
 
 class GateKeeper:
@@ -63,28 +70,27 @@ class GateKeeper:
         *,
         capacity: int,
         peers: Callable[[str], list[str]] | None = None,
+        throttled: Callable[[str], float | None] | None = None,
     ) -> None:
         """``now``: the worker's estimate of server time (POSIX seconds); ``capacity``: the
-        most permits it holds at once (its concurrency: more would expire unused);
-        ``peers``: ids of the live workers serving a name, this one included (for fair
-        shares and preferred lanes)."""
+        most running slots of one gate it leases (its concurrency); ``peers``: ids of the
+        live workers serving a name, this one included (whose lanes and slots are whose);
+        ``throttled``: until when a gate is held back by a handler's ``RateLimited``."""
         self.store, self.worker_id, self.now, self.capacity = store, worker_id, now, capacity
         self.peers = peers or (lambda name: [worker_id])
-        self._preferred: dict[tuple[str, int, tuple[str, ...]], frozenset[int]] = {}
+        self.throttled = throttled or (lambda gate: None)
         self.limits = dict(limits)
         self.wake = asyncio.Event()
-        self._docs: dict[str, GateDoc] = {}
-        self._owed: dict[str, Settlement] = defaultdict(Settlement)
-        self._held: dict[str, Permit] = {}  # by task key
-        self._runs: dict[str, Permit] = {}  # by run id: permits holding a running slot
-        self._retry: dict[str, float] = {}  # by gate: asking sooner gives nothing
-        self._misses: dict[str, int] = {}  # by gate: asks in a row that got nothing
-        self._asked: dict[str, float] = {}  # by name: when this worker last asked
+        self._leases: dict[str, Lease] = {}
+        self._docs: dict[str, GateDoc] = {}  # the last reply per gate (a write's first guess)
         self._names: dict[str, str] = {}  # gate -> task name
+        self._dealt: dict[tuple[str, str, tuple[str, ...]], tuple[frozenset[int], frozenset[int]]] = {}
+        self._changed: set[str] = set()  # names whose limits changed: give their leases back
+        self._throttles: dict[str, float] = {}  # gates this worker throttled, until when
         self._problems: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self.counts: Counter[str] = Counter()
-        """Asks, permits granted, empty asks, writes, failed expectations, reads, flushes."""
+        """Asks, empty asks, renewals, releases, writes, failed expectations, reads."""
 
     def gate_of(self, name: str, params: Any) -> str:
         """The task's gate, or "" when its name has no limits."""
@@ -99,198 +105,226 @@ class GateKeeper:
         return self._names.get(gate, gate.split("#", 1)[0])
 
     def set_limits(self, limits: dict[str, Limit]) -> set[str]:
-        """Apply new limits; returns the names whose limits changed (their permits are
-        given back: their queued tasks must be looked at again)."""
+        """Apply new limits; returns the names whose limits changed. Their lanes and slots
+        go back to their gates at the next tick (a gate's shape follows its limit)."""
         changed = {n for n in set(limits) | set(self.limits) if limits.get(n) != self.limits.get(n)}
         self.limits = dict(limits)
-        self.give_back(lambda p: self.name_of(p.gate) in changed)
-        self._retry.clear()
+        self._changed |= changed
+        for gate, lease in self._leases.items():
+            if self.name_of(gate) in changed:
+                lease.retry = 0.0
+        self.wake.set()
         return changed
 
-    # -- permits ---------------------------------------------------------------------------------
-    def busy(self, name: str) -> bool:
-        """Whether this worker is working a limited name's backlog: it holds permits of
-        it or asked for some within the last second."""
-        if name not in self.limits:
-            return False
-        asked = self._asked.get(name)
-        recent = asked is not None and asked > self.now() - 1.0
-        return recent or any(self.name_of(p.gate) == name for p in self._held.values())
+    def spare(self, gate: str) -> bool:
+        """Whether this worker could start a task of ``gate`` soon: a lane of its own is
+        open now (a slot of its own, for a gate without a rate), or it holds none and
+        asking may give some. Only then does it take on other workers' backlog of the
+        gate (stealing a task its owner has a lane for only makes one claim miss)."""
+        lease, limit = self._leases.get(gate), self.limits.get(self.name_of(gate))
+        if lease is None or not limit:
+            return True
+        if not lease:
+            return not lease.starved
+        if not limit.rate:  # a slot of its own frees within a run: worth queueing for
+            return bool(lease.slots)
+        return lease.open(limit, _utc(self.now()))
 
+    # -- permits ---------------------------------------------------------------------------------
     async def admit(
-        self, due: Iterable[Due], *, ask_now: bool = False
+        self, due: Iterable[Due], room: int
     ) -> tuple[list[tuple[Due, Permit]], list[tuple[Due, float]]]:
-        """Split due entries into those whose permit lets them be claimed now, and those to
-        put back in the queue until the given time (a permit's start, or when asking again
-        may give one); ``ask_now`` asks even before the gate's retry time. Raises
-        ``StoreError`` when the gate cannot be read or written."""
+        """Permits for up to ``room`` due entries that may be claimed now, and the entries
+        to put back until the given time; entries past ``room`` are left as they are.
+        Raises ``StoreError`` when the gate cannot be read or written."""
         now = self.now()
         ready: list[tuple[Due, Permit]] = []
         later: list[tuple[Due, float]] = []
-        needing: dict[str, list[Due]] = defaultdict(list)
-        # Too late to claim with these (their task was busy, or is gone): give them back.
-        self.give_back(lambda p: p.until.timestamp() <= now + MARGIN)
+        by_gate: dict[str, list[Due]] = defaultdict(list)
         for entry in due:
-            permit = self._held.get(entry.key)
-            if permit is None:
-                needing[entry.gate].append(entry)
-            elif permit.start.timestamp() + MARGIN <= now:
-                ready.append((entry, permit))
-            else:
-                later.append((entry, permit.start.timestamp() + MARGIN))
-        for gate, entries in needing.items():
-            retry = self._retry.get(gate)
-            room = self.capacity - len(self._held)
-            if room <= 0:  # permits this worker could not use in time would only block lanes
-                retry = max(now, min(p.start.timestamp() for p in self._held.values())) + 0.05
-            if retry is not None and retry > now and not (ask_now and room > 0):
-                later.extend((entry, retry) for entry in entries)
-                continue
-            granted = await self._ask(gate, entries[0].name, min(len(entries), room))
-            self._assign(entries, granted, gate, now, ready, later)
+            by_gate[entry.gate].append(entry)
+        for gate, entries in by_gate.items():
+            entries = entries[: max(0, room - len(ready))]
+            if entries:
+                await self._admit(gate, entries, now, ready, later)
         return ready, later
 
-    def _assign(
-        self, entries: list[Due], granted: Grant, gate: str, now: float,
+    async def _admit(
+        self, gate: str, entries: list[Due], now: float,
         ready: list[tuple[Due, Permit]], later: list[tuple[Due, float]],
     ) -> None:  # fmt: skip
-        for entry, permit in zip(entries, granted.permits, strict=False):
-            self._held[entry.key] = permit
-            start = permit.start.timestamp() + MARGIN
-            if start <= now:
-                ready.append((entry, permit))
-            else:
-                later.append((entry, start))
-        rest = entries[len(granted.permits) :]
-        misses = 0 if granted.permits else self._misses.get(gate, 0) + 1
-        self._misses[gate] = misses
-        if rest:
-            # Workers told the same time must not all ask at once, and one that keeps
-            # getting nothing asks less often: others are taking the lanes meanwhile.
-            asked = granted.retry_at.timestamp() if granted.retry_at is not None else now
-            backoff = min(MAX_BACKOFF, 0.025 * 2**misses) if misses else 0.0
-            retry = max(asked, now + backoff) + random.uniform(0.01, 0.05)
-            self._retry[gate] = retry
-            later.extend((entry, retry) for entry in rest)
+        name = entries[0].name
+        limit, lease = self.limits.get(name), self._leases.setdefault(gate, Lease())
+        self._names[gate] = name
+        lease.wanted = now
+        throttled = max(self.throttled(gate) or 0.0, self._throttles.get(gate, 0.0)) or None
+        if not limit or (throttled is not None and throttled > now):
+            # Limits lifted: the worker queues the name's tasks again without a gate.
+            later.extend((entry, throttled or now + RECHECK) for entry in entries)
+            return
+        at = _utc(now)
+        permits = lease.permits(gate, limit, len(entries), at)
+        waiting = len(entries) - len(permits)
+        if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name, waiting):
+            await self._ask(gate, name, lease, limit, waiting)  # raises StoreError only when the server does
+            permits += lease.permits(gate, limit, waiting, at)
+        ready.extend(zip(entries, permits, strict=False))
+        rest = entries[len(permits) :]
+        later.extend(zip(rest, self._wait_times(lease, limit, len(rest), now), strict=True))
 
-    def used(
-        self, entry: Due, permit: Permit, claimed_at: datetime | None, run_id: str | None = None
-    ) -> None:
-        """The claim with ``permit`` started at ``claimed_at`` (server time), or claimed
-        nothing (None); a run holding a running slot gives it back when ``finished``."""
-        if self._held.get(entry.key) == permit:
-            del self._held[entry.key]
-        self._settle(permit, claimed_at)
-        if claimed_at is not None and run_id is not None and permit.slot:
-            self._runs[run_id] = permit
+    def _mine(self, gate: str, limit: Limit, name: str) -> tuple[frozenset[int], frozenset[int]]:
+        """The lanes and slots dealt to this worker among the live workers of the name
+        (slots: at most its concurrency, it could not run more at once)."""
+        peers = self.peers(name)
+        key = (gate, str(limit), tuple(sorted(peers)))
+        if key not in self._dealt:
+            if len(self._dealt) > 1024:  # peers churned: keep only what is current
+                self._dealt.clear()
+            lanes = dealt(gate, limit.rate.limit if limit.rate else 0, self.worker_id, peers)
+            slots = sorted(dealt(gate, limit.max_running or 0, self.worker_id, peers))[: self.capacity]
+            self._dealt[key] = lanes, frozenset(slots)
+        return self._dealt[key]
+
+    def _wants_more(self, gate: str, lease: Lease, limit: Limit, name: str, waiting: int) -> bool:
+        """Missing some of its dealt lanes or slots, or with more tasks waiting than its
+        lanes start in a period or its slots run: asking may give what others left idle."""
+        lanes, slots = self._mine(gate, limit, name)
+        short = bool(lanes - set(lease.lanes)) or bool(slots - set(lease.slots))
+        return short or waiting > len(lease.lanes if limit.rate else lease.slots)
+
+    def _wait_times(self, lease: Lease, limit: Limit, count: int, now: float) -> list[float]:
+        """When each of ``count`` waiting tasks should look again: when a lane of this
+        worker opens for it, soon when it waits for a slot of its own, else when asking
+        the gate again may give more."""
+        opens = lease.opens_at(limit, count, _utc(now))
+        ask = max(lease.retry, now + RECHECK)
+        times = []
+        for k in range(count):
+            lane = opens[k] if k < len(opens) else ask if limit.rate else now
+            slot = (now + RECHECK if lease.slots else ask) if limit.max_running else now
+            times.append(max(lane, slot, now + 0.001))
+        return times
+
+    def used(self, permit: Permit, started: datetime | None, run_id: str | None = None) -> None:
+        """The claim with ``permit`` started at ``started`` (server time), or claimed
+        nothing (None); a run on a running slot holds it until ``finished``."""
+        lease = self._leases.get(permit.gate)
+        if lease is not None:
+            limit = self.limits.get(self.name_of(permit.gate)) or Limit()
+            lease.used(permit, started, limit.rate.period if limit.rate else 0.0, run_id, self.now())
 
     def finished(self, run_id: str) -> None:
-        permit = self._runs.pop(run_id, None)
-        if permit is not None:
-            self._owed[permit.gate].released.add(permit.id)
-            self.wake.set()
-
-    def forget(self, key: str) -> None:
-        """The task is no longer this worker's to claim: give its permit back."""
-        permit = self._held.pop(key, None)
-        if permit is not None:
-            self._settle(permit, None)
-
-    def give_back(self, which: Callable[[Permit], bool] = lambda p: True) -> None:
-        for key, permit in list(self._held.items()):
-            if which(permit):
-                del self._held[key]
-                self._settle(permit, None)
-
-    def _settle(self, permit: Permit, claimed_at: datetime | None) -> None:
-        self._owed[permit.gate].used[permit.id] = claimed_at
-        self.wake.set()
-
-    # -- the gate documents ----------------------------------------------------------------------
-    async def _ask(self, gate: str, name: str, want: int) -> Grant:
-        """Permits for ``want`` tasks: as many as this worker's fair share of the gate
-        allows, the rest only on lanes or slots nobody took for a moment."""
-        limit = self.limits.get(name, Limit())
-        self._asked[name] = self.now()
-        peers = self.peers(name)
-        size = limit.rate.limit if limit.rate else limit.max_running or 1
-        share = -(-size // max(1, len(peers))) - sum(p.gate == gate for p in self._held.values())
-        fair = max(0, min(want, share))
-        key = (gate, size, tuple(peers))
-        if key not in self._preferred:
-            if len(self._preferred) > 256:  # peers churned: keep only what is current
-                self._preferred.clear()
-            self._preferred[key] = (
-                preferred_lanes(gate, size, self.worker_id, peers) if limit.rate else frozenset()
-            )
-        prefer = self._preferred[key]
-        granted = await self._write(
-            gate,
-            name,
-            lambda change, now: grant(change, limit, fair, self.worker_id, now, want - fair, prefer),
-        )
-        self.counts.update(asks=1, permits=len(granted.permits), empty=not granted.permits)
-        return granted
+        for lease in self._leases.values():
+            if lease.finished(run_id):
+                return
 
     async def throttle(self, gate: str, name: str, seconds: float) -> None:
-        """``RateLimited`` for a ``limit_by`` value: no permit of ``gate`` for ``seconds``.
-        This worker's own permits of it are given back at once."""
-        self.give_back(lambda p: p.gate == gate)
+        """``RateLimited`` for a ``limit_by`` value: no worker starts a task of ``gate`` for
+        ``seconds`` (the name's limits document lists it; this worker stops at once)."""
+        self._throttles[gate] = self.now() + seconds
+        await self.store.throttle(name, seconds, gate=gate)
 
-        def hold(change: Change, now: datetime) -> Grant:
-            until = now + timedelta(seconds=seconds)
-            change.work.throttled_until = max(change.work.throttled_until or until, until)
-            change.throttle = True
-            return Grant([], change.work.throttled_until)
+    # -- the gate documents ----------------------------------------------------------------------
+    async def _ask(self, gate: str, name: str, lease: Lease, limit: Limit, waiting: int) -> None:
+        """Take the free lanes and slots dealt to this worker, and as many more of those
+        nobody used for a while as the waiting tasks need."""
+        lanes, slots = self._mine(gate, limit, name)
+        mine = lanes - set(lease.lanes), slots - set(lease.slots)
+        extra = (
+            max(0, waiting - len(lease.lanes) - len(mine[0])),
+            max(0, min(waiting, self.capacity - len(lease.slots)) - len(mine[1])),
+        )
+        got: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
-        await self._write(gate, name, hold)
-        self._retry[gate] = self.now() + seconds
+        def taking(change: Change, now: datetime) -> None:
+            got[:] = [take(change, limit, self.worker_id, now, mine, extra)]
 
-    async def flush(self, renew: bool = False) -> None:
-        """Write what this worker owes its gates (and renew its running slots)."""
-        if renew:
-            for permit in self._runs.values():
-                self._owed[permit.gate].renew.add(permit.id)
-        for gate in [g for g, owed in self._owed.items() if owed]:
-            self.counts["flushes"] += 1
-            await self._write(gate, self.name_of(gate), lambda change, now: Grant([], None))
+        if not await self._write(gate, name, taking, fresh=True):
+            got.clear()  # others kept changing it: as if nothing was free
+        lanes_got, slots_got = got[0] if got else ({}, {})
+        lease.lanes.update(lanes_got)
+        lease.slots.update(slots_got)
+        gained = bool(lanes_got or slots_got)
+        lease.misses = 0 if gained else lease.misses + 1
+        lease.starved = not gained and not lease
+        wait = ASK_AGAIN if gained else min(MAX_BACKOFF, 0.25 * 2**lease.misses)
+        lease.retry = self.now() + wait * random.uniform(0.8, 1.2)
+        self.counts.update(asks=1, empty=not gained)
 
-    async def _write(self, gate: str, name: str, make: Callable[[Change, datetime], Grant]) -> Grant:
-        """Read (or reuse the last reply), compute, write with expectations on what it
-        touches; on a failed expectation read again and redo. Settles what is owed."""
+    async def _renew(self, gate: str, name: str, lease: Lease) -> None:
+        """Extend the lease of everything held; what was lost meanwhile is forgotten."""
+        kept: list[tuple[set[int], set[int], datetime]] = []
+
+        def extending(change: Change, now: datetime) -> None:
+            probe = Lease(dict(lease.lanes), dict(lease.slots))
+            renew(change, probe, self.worker_id, now)
+            until = change.work.lanes[min(probe.lanes)].until if probe.lanes else None
+            until = until or (change.work.running[min(probe.slots)].until if probe.slots else None)
+            kept[:] = [(set(probe.lanes), set(probe.slots), until or now)]
+
+        if not await self._write(gate, name, extending):
+            return
+        if kept:
+            lanes, slots, until = kept[0]
+            self._keep(lease, lanes, slots, until)
+        self.counts["renewals"] += 1
+
+    def _keep(self, lease: Lease, lanes: set[int], slots: set[int], until: datetime) -> None:
+        lost = (set(lease.lanes) - lanes, set(lease.slots) - slots)
+        if any(lost):
+            log.warning("lost lanes or running slots whose lease lapsed", lanes=sorted(lost[0]),
+                        slots=sorted(lost[1]))  # fmt: skip
+        for i in list(lease.lanes):
+            if i in lanes:
+                lease.lanes[i].until = until
+            else:
+                del lease.lanes[i]
+        for j in list(lease.slots):
+            if j in slots:
+                lease.slots[j].until = until
+            else:
+                del lease.slots[j]
+
+    async def _release(self, gate: str, name: str, lease: Lease, lanes: set[int], slots: set[int]) -> None:
+        """Give back these lanes and slots (none with a claim or a run on it)."""
+
+        def giving(change: Change, now: datetime) -> None:
+            probe = Lease(dict(lease.lanes), dict(lease.slots))
+            release(change, probe, self.worker_id, now, lanes, slots)
+
+        if not await self._write(gate, name, giving):
+            return
+        for i in lanes:
+            lease.lanes.pop(i, None)
+        for j in slots:
+            lease.slots.pop(j, None)
+        self.counts["releases"] += 1
+
+    async def _write(
+        self, gate: str, name: str, make: Callable[[Change, datetime], None], *, fresh: bool = False
+    ) -> bool:
+        """Apply ``make`` to the gate as last seen (or as read, when ``fresh``: taking free
+        lanes needs the others' latest), write it conditionally on what it touches; when an
+        expectation fails, read and redo. False: it kept failing (try again later)."""
         async with self._lock:
-            for attempt in range(ATTEMPTS + 1):
-                seen = self._docs.get(gate) if attempt == 0 else None
+            for attempt in range(ATTEMPTS):
+                seen = self._docs.get(gate) if attempt == 0 and not fresh else None
                 change = Change.of(seen or await self._read(gate, name))
-                owed = self._owed.pop(gate, Settlement())
                 now = datetime.fromtimestamp(self.now(), UTC)
-                settle(change, owed, self.limits.get(name, Limit()).rate, now)
-                settled, freed = set(change.lanes), set(change.slots)
-                result = make(change, now)
-                if seen is not None and (change.lanes - settled or change.slots - freed):
-                    # Lanes this write did not just settle may have been taken since the
-                    # last reply: read first rather than fail a write over them.
-                    self._owed[gate].merge(owed)
-                    continue
+                resize(change.work, self.limits.get(name) or Limit(), now)
+                make(change, now)
                 write = change.write()
                 if write is None:
-                    return result
+                    return True
                 write.changes[f.NAME] = name
                 self.counts["writes"] += 1
-                try:
-                    written = await self.store.update_gate(
-                        gate, write.expect, write.changes, create=write.create
-                    )
-                except BaseException:
-                    self._owed[gate].merge(owed)
-                    raise
+                written = await self.store.update_gate(gate, write.expect, write.changes, create=write.create)
                 if written is not None:
                     self._docs[gate] = self._parse(written, gate, name)
-                    return result
+                    return True
                 self.counts["conflicts"] += 1
-                self._owed[gate].merge(owed)  # someone changed what this touches: read again, redo
                 self._docs.pop(gate, None)
-            return Grant([], datetime.fromtimestamp(self.now() + 0.1, UTC))
+            return False
 
     async def _read(self, gate: str, name: str) -> GateDoc:
         self.counts["reads"] += 1
@@ -305,30 +339,64 @@ class GateKeeper:
 
     # -- the side task ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, declared: dict[str, Limit]) -> None:
-        """Record the code's limits, then settle within ``SETTLE_DELAY`` of a claim or a
-        run's end, and renew running slots every third of their lease."""
+        """Record the code's limits, then every ``TICK``: give back what has no use, renew
+        what is due, forget gates left with nothing."""
         for name, limit in declared.items():
             if limit:
                 await self.store.declare_limits(name, describe(limit))
-        renew_at = self.now() + SLOT_LEASE / 3
         while not stop.is_set():
             with suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), max(0.0, renew_at - self.now()))
+                await asyncio.wait_for(self.wake.wait(), TICK)
             self.wake.clear()
-            await asyncio.sleep(SETTLE_DELAY)
-            renew = self.now() >= renew_at
-            await self.flush(renew=renew)
-            if renew:
-                renew_at = self.now() + SLOT_LEASE / 3
+            try:
+                await self.tend()
+            except StoreError as exc:
+                log.warning("could not renew or give back lanes and running slots", error=str(exc))
+
+    async def tend(self, everything: bool = False) -> None:
+        now, changed = self.now(), self._changed
+        self._changed = set()
+        for gate, lease in list(self._leases.items()):
+            name = self.name_of(gate)
+            limit = self.limits.get(name) or Limit()
+            done = everything or name in changed or not limit or now - lease.wanted > IDLE
+            lanes, slots = self._spare(gate, lease, limit, name, done, now)
+            if lanes or slots:
+                await self._release(gate, name, lease, lanes, slots)
+            elif lease and (renew_at := lease.renew_at()) is not None and now >= renew_at:
+                await self._renew(gate, name, lease)
+            if not lease and now - lease.wanted > IDLE:
+                del self._leases[gate]
+
+    def _spare(
+        self, gate: str, lease: Lease, limit: Limit, name: str, done: bool, now: float
+    ) -> tuple[set[int], set[int]]:
+        """What to give back: everything not in use once done with the gate; else lanes
+        and slots past the limit, and, when the lease is due for renewal, those not dealt
+        to this worker (taken while idle; a worker that joined since may want them)."""
+        lanes = {i for i, held in lease.lanes.items() if held.permit is None}
+        slots = {j for j, held in lease.slots.items() if held.run is None and held.permit is None}
+        if done:
+            return lanes, slots
+        size = limit.rate.limit if limit.rate else 0
+        over = {i for i in lanes if i >= size}, {j for j in slots if j >= (limit.max_running or 0)}
+        renew_at = lease.renew_at()
+        if renew_at is not None and now >= renew_at:
+            mine = self._mine(gate, limit, name)
+            over[0].update(lanes - mine[0])
+            over[1].update(slots - mine[1])
+        return over
 
     async def close(self) -> None:
-        """Give back every permit and slot this worker holds (shutdown)."""
-        self.give_back()
-        for run_id in list(self._runs):
-            self.finished(run_id)
-        await self.flush()
+        """Give back every lane and slot this worker holds (shutdown)."""
+        with suppress(StoreError):
+            await self.tend(everything=True)
         if self.counts:
             log.info("gate round trips", **self.counts)
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def describe(limit: Limit) -> dict[str, Any]:

@@ -1,30 +1,29 @@
 """Fleet-wide limits per task name: the arithmetic of a *gate* (docs/limits.md).
 
 A gate is one task name, or one value of its ``limit_by`` params field. Its document in
-``<collection>.gates`` holds what every worker needs to start tasks of it within limits::
+``<collection>.gates`` says which worker holds which part of the limit::
 
-    {_id: 'call_api#"acme"', name: "call_api", version: 812, updated_at: ISODate(...),
-     lanes: [{at: ISODate(...), prev: ISODate(...), holder: "9f2c..", from: ISODate(...),
-              until: ISODate(...), hold: ISODate(...)}, ...],
-     running: [{id: "77ab..", worker: "host-1-4242", until: ISODate(...)}, ...],
-     throttled_until: ISODate(...)}
+    {_id: 'call_api#"acme"', name: "call_api", shape: "50/3", updated_at: ISODate(...),
+     lanes: [{holder: "host-1-4242", until: ISODate(...), next: ISODate(...)}, ...],
+     running: [{holder: "host-2-77", until: ISODate(...), freed: ISODate(...)}, ...]}
 
-**Rate** ``N/period``: the gate has N *lanes*. A lane's ``at`` is the earliest time it may
-start a task; a start at ``c`` moves it to ``c + period``. A worker takes a *permit*
-on a lane (``holder``): the claim may start within ``[from, until]`` only, a condition
-the server checks at ``$$NOW`` in the claim itself. While the claim is unsettled the lane
-is at ``until + period``; the worker then settles it to ``c + period`` (or back to ``prev``
-when it claimed nothing). Starts on one lane are at least ``period`` apart, so no window of
-``period`` holds more than N starts: exact, whatever the workers' clocks say, and a lane
-waits for no one but its last start.
+**Rate** ``N/period``: the gate has N *lanes*. A worker *leases* lanes (``holder``, until
+``until``, renewed while it has use for them) and starts tasks on them without asking
+anyone: each start on a lane is a claim the server takes only while its clock is within
+``[next, until]`` of that lane (a condition on ``$$NOW`` in the claim itself), and the
+lane's next start is then the claim's time plus the period. Starts on one lane are at
+least a period apart, so no window of ``period`` holds more than N starts, whatever the
+workers' clocks say. A lane given back records its ``next``; a lane whose lease lapsed
+(its worker died) opens at ``until + period``, after any start its holder could have made.
 
-**max_running** M: the ``running`` slots, at most M, each taken with the permit before the
-claim and given back after the run's outcome is written, so at no instant do more than M
-runs of the gate hold an entry. A slot lapses at its ``until`` unless its worker renews
-it (a dead worker's slots free themselves, like its leases).
+**max_running** M: M running *slots*, leased the same way; a worker runs at most one task
+per slot it holds, from before the claim until the run's outcome is written, and claims
+only within the slot's lease, so at no instant do more than M runs of the gate hold an
+entry. A dead worker's slots lapse with its lease.
 
-Workers change the document by compare-and-set on ``version``: read (or reuse the reply
-of their last write), compute here, write only if nobody wrote in between.
+So a worker writes the gate when it takes, renews (every ``LEASE / 3``) or gives back
+lanes and slots, never per task: a limited name costs about what an unlimited one does.
+Writes are conditional on the holder and lease of each lane and slot they touch.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import json
 import random
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -44,24 +43,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from taskrunner.errors import InvalidTask
 from taskrunner.models import UtcDatetime, first_error, parse_duration
 
-SLACK = 2.0
-"""Seconds after a permit's ``from`` within which its claim must reach the server. Long,
-because a settled lane never waits for it; only a worker that dies holding the permit
-delays its lane, by ``SLACK + period``."""
-HOLD = 0.5
-"""Seconds after ``until`` by which the holder settles its lane (it does within moments of
-its claim); later, others take the lane as it stands, which counts a claim at ``until``."""
-HORIZON = 1.0
-"""How far ahead a permit may start: a worker waits no longer than this on a permit."""
-EARLY = 0.5
-"""How far before the asking worker's estimate of now a permit for a free lane opens, so
-a claim is not refused because that estimate ran ahead of the server's clock."""
-SLOT_POLL = 0.5
-"""Seconds before asking again for a running slot: slots free when runs end, unannounced."""
-IDLE = 0.5
-"""Seconds a lane or slot stays unused before a worker past its fair share may take it."""
-SLOT_LEASE = 30.0
-"""Seconds a running slot lives without renewal (a dead worker's slots free after it)."""
+LEASE = 30.0
+"""Seconds a worker holds lanes and slots without renewing them (renewed every third of
+it): how long a dead worker's share of a limit stays unused."""
+IDLE = 2.0
+"""Seconds a worker keeps lanes and slots it has no due task for before giving them back."""
+MARGIN = 0.02
+"""Seconds past a lane's next start, read from the gate, before claiming on it: a
+worker's estimate of the server's clock may run a little ahead, and a claim that comes
+too early is refused. After its own start a worker needs no margin (``HeldLane.ready``)."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(.+?)\s*$")
 
@@ -128,31 +118,45 @@ def gate_id(name: str, limit_by: str | None, params: Any) -> str:
 
 
 class Lane(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    at: UtcDatetime = EPOCH
-    prev: UtcDatetime | None = None
-    holder: str | None = None
-    from_: UtcDatetime | None = Field(None, alias="from")
-    until: UtcDatetime | None = None
-    hold: UtcDatetime | None = None
-
-    def free(self) -> None:
-        self.holder = self.from_ = self.until = self.hold = self.prev = None
-
-
-class Slot(BaseModel):
-    """A running slot: ``id`` is the permit holding it (None: free since ``freed``)."""
+    """``holder`` may start tasks on it until ``until``; a free lane opens at ``next``."""
 
     model_config = ConfigDict(extra="ignore")
 
-    id: str | None = None
-    worker: str | None = None
+    holder: str | None = None
+    until: UtcDatetime | None = None
+    next: UtcDatetime = EPOCH
+    freed: UtcDatetime = EPOCH
+    """When it was last given back (or made)."""
+
+    def free(self, now: datetime) -> bool:
+        return self.holder is None or self.until is None or self.until <= now
+
+    def unused_since(self) -> datetime:
+        """Since when nobody may have used it: given back, or its holder's lease lapsed."""
+        return self.freed if self.holder is None or self.until is None else self.until
+
+    def opens(self, period: float) -> datetime:
+        """When a new holder may start on it: after its last start, and after anything a
+        holder whose lease lapsed could have started."""
+        if self.holder is None or self.until is None:
+            return self.next
+        return max(self.next, self.until + timedelta(seconds=period))
+
+
+class Slot(BaseModel):
+    """A running slot: ``holder`` runs one task at a time on it until ``until``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    holder: str | None = None
     until: UtcDatetime | None = None
     freed: UtcDatetime = EPOCH
 
-    def free(self, now: datetime) -> None:
-        self.id, self.worker, self.until, self.freed = None, None, None, now
+    def free(self, now: datetime) -> bool:
+        return self.holder is None or self.until is None or self.until <= now
+
+    def unused_since(self) -> datetime:
+        return self.freed if self.holder is None or self.until is None else self.until
 
 
 class GateDoc(BaseModel):
@@ -166,7 +170,6 @@ class GateDoc(BaseModel):
     """``"<lanes>/<slots>"``: writes of single lanes and slots expect it unchanged."""
     lanes: list[Lane] = Field(default_factory=list)
     running: list[Slot] = Field(default_factory=list)
-    throttled_until: UtcDatetime | None = None
 
     @classmethod
     def read(cls, doc: Mapping[str, Any] | None, gate: str, name: str) -> tuple[GateDoc, str | None]:
@@ -188,41 +191,141 @@ class GateDoc(BaseModel):
         return f"{len(self.lanes)}/{len(self.running)}"
 
 
+@dataclass(slots=True)
+class HeldLane:
+    """A lane this worker leases: its next start and the lease's end (server times)."""
+
+    next: datetime
+    until: datetime
+    permit: str | None = None
+    """The permit using it right now (a claim on its way)."""
+    ready: float = 0.0
+    """When to claim on it, by this worker's estimate of server time: a period after the
+    reply to its last start arrived, which the server's clock has then passed whatever
+    the estimate's error (a claim is never refused for coming early)."""
+
+    def __post_init__(self) -> None:
+        self.ready = max(self.ready, self.next.timestamp() + MARGIN)
+
+
+@dataclass(slots=True)
+class HeldSlot:
+    until: datetime
+    run: str | None = None
+    """The run holding it, from its claim until its outcome is written."""
+    permit: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Permit:
-    """Leave to start one task of ``gate`` in ``[start, until]`` (server time)."""
+    """Leave to start one task of ``gate`` within ``[start, until]`` (server time) on
+    this worker's lane ``lane`` and running slot ``slot`` (None: the gate has none)."""
 
     id: str
     gate: str
     start: datetime
     until: datetime
-    lane: bool
-    slot: bool
+    lane: int | None
+    slot: int | None
 
 
 @dataclass(slots=True)
-class Settlement:
-    """What a worker reports at its next write: permits used (claim time) or not (None),
-    running slots to give back, slots to renew."""
+class Lease:
+    """What one worker holds of one gate, and when it last had a use for it."""
 
-    used: dict[str, datetime | None] = field(default_factory=dict)
-    released: set[str] = field(default_factory=set)
-    renew: set[str] = field(default_factory=set)
+    lanes: dict[int, HeldLane] = field(default_factory=dict)
+    slots: dict[int, HeldSlot] = field(default_factory=dict)
+    wanted: float = 0.0
+    """When a due task last asked (this worker's estimate of server time)."""
+    retry: float = 0.0
+    """Asking the gate for more before this gives nothing new."""
+    misses: int = 0
+    starved: bool = False
+    """The last ask got nothing while this worker holds nothing of the gate."""
 
     def __bool__(self) -> bool:
-        return bool(self.used or self.released or self.renew)
+        return bool(self.lanes or self.slots)
 
-    def merge(self, other: Settlement) -> None:
-        self.used.update(other.used)
-        self.released |= other.released
-        self.renew |= other.renew
+    def renew_at(self) -> float | None:
+        untils = [h.until for h in self.lanes.values()] + [h.until for h in self.slots.values()]
+        return min(untils).timestamp() - LEASE * 2 / 3 if untils else None
 
+    def permits(self, gate: str, limit: Limit, want: int, now: datetime) -> list[Permit]:
+        """Up to ``want`` permits open at ``now``: a lane whose next start has come (when
+        the gate has a rate) and a free slot (when it has max_running), each used once."""
+        lanes = self._open_lanes(limit, now)
+        slots = [j for j, s in self.slots.items() if s.run is None and s.permit is None and s.until > now]
+        permits: list[Permit] = []
+        while len(permits) < want:
+            if (limit.rate and not lanes) or (limit.max_running and not slots):
+                break
+            i, j = (lanes.pop(0) if limit.rate else None), (slots.pop(0) if limit.max_running else None)
+            lane, slot = (
+                (self.lanes[i] if i is not None else None),
+                (self.slots[j] if j is not None else None),
+            )
+            ends = [*([lane.until] if lane else []), *([slot.until] if slot else [])]
+            permit = Permit(uuid.uuid4().hex, gate, lane.next if lane else EPOCH, min(ends), i, j)
+            if lane is not None:
+                lane.permit = permit.id
+            if slot is not None:
+                slot.permit = permit.id
+            permits.append(permit)
+        return permits
 
-@dataclass(slots=True)
-class Grant:
-    permits: list[Permit]
-    retry_at: datetime | None
-    """When asking again may give more (None: nothing was missing)."""
+    def open(self, limit: Limit, now: datetime) -> bool:
+        """Whether a permit could start now."""
+        free_slot = any(s.run is None and s.permit is None and s.until > now for s in self.slots.values())
+        return (not limit.rate or bool(self._open_lanes(limit, now))) and (not limit.max_running or free_slot)
+
+    def _open_lanes(self, limit: Limit, now: datetime) -> list[int]:
+        if not limit.rate:
+            return []
+        at = now.timestamp()
+        open_ = [i for i, h in self.lanes.items() if h.permit is None and h.ready <= at and h.until > now]
+        return sorted(open_, key=lambda i: self.lanes[i].ready)
+
+    def opens_at(self, limit: Limit, waiting: int, now: datetime) -> list[float]:
+        """When each of ``waiting`` tasks may find an open lane (its k-th opening, lanes
+        reused every period), or nothing when this worker's lanes cannot start them."""
+        if not limit.rate:
+            return []
+        times = sorted(h.ready for h in self.lanes.values() if h.permit is None and h.until > now)
+        if not times:
+            return []
+        period, out = limit.rate.period, []
+        for k in range(waiting):
+            at = times[k % len(times)] + period * (k // len(times))
+            if at >= self.lanes_end():
+                break
+            out.append(at)
+        return out
+
+    def lanes_end(self) -> float:
+        return min((h.until.timestamp() for h in self.lanes.values()), default=0.0)
+
+    def used(
+        self, permit: Permit, started: datetime | None, period: float, run: str | None, now: float
+    ) -> None:
+        """The claim with ``permit`` started at ``started`` (None: it claimed nothing); its
+        reply came at ``now`` (this worker's estimate of server time)."""
+        lane = self.lanes.get(permit.lane) if permit.lane is not None else None
+        if lane is not None and lane.permit == permit.id:
+            lane.permit = None
+            if started is not None:
+                lane.next = max(lane.next, started + timedelta(seconds=period))
+                lane.ready = max(lane.ready, started.timestamp(), now) + period
+        slot = self.slots.get(permit.slot) if permit.slot is not None else None
+        if slot is not None and slot.permit == permit.id:
+            slot.permit = None
+            slot.run = run if started is not None else None
+
+    def finished(self, run: str) -> bool:
+        for slot in self.slots.values():
+            if slot.run == run:
+                slot.run = None
+                return True
+        return False
 
 
 @dataclass(slots=True)
@@ -245,191 +348,138 @@ class Change:
     work: GateDoc
     lanes: set[int] = field(default_factory=set)
     slots: set[int] = field(default_factory=set)
-    throttle: bool = False
 
     @classmethod
     def of(cls, seen: GateDoc) -> Change:
         return cls(seen, seen.model_copy(deep=True))
 
     def write(self) -> Write | None:
-        """The write this change needs (None: nothing changed)."""
+        """The write this change needs (None: nothing changed). A new shape rewrites the
+        whole document, expecting every lane and slot as seen: a lease renewed meanwhile
+        must not be turned back."""
         seen, work = self.seen, self.work
         if seen.shape is None or seen.shape != work.shape_now():
             work.shape = work.shape_now()
-            full = work.model_dump(by_alias=True, mode="python", exclude={"id"})
-            return Write({"shape": seen.shape}, full, create=seen.shape is None)
-        expect: dict[str, Any] = {"shape": seen.shape}
-        changes: dict[str, Any] = {}
-        for i in sorted(self.lanes):
-            expect[f"lanes.{i}.holder"], expect[f"lanes.{i}.at"] = seen.lanes[i].holder, seen.lanes[i].at
-            changes[f"lanes.{i}"] = work.lanes[i].model_dump(by_alias=True)
-        for j in sorted(self.slots):
-            expect[f"running.{j}.id"], expect[f"running.{j}.freed"] = (
-                seen.running[j].id,
-                seen.running[j].freed,
-            )
-            changes[f"running.{j}"] = work.running[j].model_dump()
-        if self.throttle:
-            expect["throttled_until"], changes["throttled_until"] = seen.throttled_until, work.throttled_until
-        return Write(expect, changes) if changes else None
+            full = work.model_dump(mode="python", exclude={"id"})
+            every = range(len(seen.lanes)), range(len(seen.running))
+            return Write(self._expect(*every), full, create=seen.shape is None)
+        changes = {f"lanes.{i}": work.lanes[i].model_dump() for i in sorted(self.lanes)}
+        changes |= {f"running.{j}": work.running[j].model_dump() for j in sorted(self.slots)}
+        return Write(self._expect(self.lanes, self.slots), changes) if changes else None
 
-
-def settle(change: Change, settlement: Settlement, rate: Rate | None, now: datetime) -> None:
-    """Apply a worker's report: used lanes move to their start plus the period, unused ones
-    back to where they were; its slots of unused permits and finished runs are freed."""
-    gate = change.work
-    period = timedelta(seconds=rate.period) if rate else timedelta(0)
-    for i, lane in enumerate(gate.lanes):
-        if lane.holder is None or lane.holder not in settlement.used:
-            continue
-        started = settlement.used[lane.holder]
-        lane.at = started + period if started is not None else (lane.prev or EPOCH)
-        lane.free()
-        change.lanes.add(i)
-    gone = settlement.released | {p for p, started in settlement.used.items() if started is None}
-    for j, slot in enumerate(gate.running):
-        if slot.id is not None and slot.id in gone:
-            slot.free(now)
-            change.slots.add(j)
-        elif slot.id is not None and slot.id in settlement.renew and slot.until is not None:
-            slot.until = max(slot.until, now + timedelta(seconds=SLOT_LEASE))
-            change.slots.add(j)
+    def _expect(self, lanes: Iterable[int], slots: Iterable[int]) -> dict[str, Any]:
+        """Each lane's holder, lease and next start as seen (a lane given back changes only
+        its next start), each slot's holder and lease."""
+        expect = dict[str, Any](shape=self.seen.shape)
+        for i in lanes:
+            expect.update({f"lanes.{i}.{k}": v for k, v in self.seen.lanes[i].model_dump().items()})
+        for j in slots:
+            slot = self.seen.running[j]
+            expect.update({f"running.{j}.holder": slot.holder, f"running.{j}.until": slot.until})
+        return expect
 
 
 def resize(gate: GateDoc, limit: Limit, now: datetime) -> None:
-    """N lanes for a rate of N, M slots for max_running M. Fewer lanes drop the free ones
-    that free earliest, fewer slots the free ones (never a held one, so a smaller limit may
-    take a moment to apply)."""
+    """N lanes for a rate of N, M slots for max_running M. Fewer drops free ones from the
+    end only (indexes are how holders know their lanes), so a smaller limit applies once
+    the workers holding the last lanes give them back (they do when limits change)."""
     wanted = limit.rate.limit if limit.rate else 0
     while len(gate.lanes) < wanted:
-        gate.lanes.append(Lane())
-    extra = len(gate.lanes) - wanted
-    if extra > 0:
-        free = sorted((lane for lane in gate.lanes if _lane_free(lane, now)), key=lambda lane: lane.at)
-        dropped = {id(lane) for lane in free[:extra]}
-        gate.lanes = [lane for lane in gate.lanes if id(lane) not in dropped]
+        gate.lanes.append(Lane(freed=now))
+    while len(gate.lanes) > wanted and gate.lanes[-1].free(now):
+        gate.lanes.pop()
     slots = limit.max_running or 0
     while len(gate.running) < slots:
-        gate.running.append(Slot())
-    extra = len(gate.running) - slots
-    if extra > 0:
-        free_slots = [slot for slot in gate.running if _slot_free(slot, now)][:extra]
-        gate.running = [slot for slot in gate.running if all(slot is not f for f in free_slots)]
+        gate.running.append(Slot(freed=now))
+    while len(gate.running) > slots and gate.running[-1].free(now):
+        gate.running.pop()
 
 
-def _lane_free(lane: Lane, now: datetime) -> bool:
-    """Nobody holds it, or its holder let its hold pass without settling."""
-    return lane.holder is None or lane.hold is None or lane.hold <= now
-
-
-def _slot_free(slot: Slot, now: datetime) -> bool:
-    return slot.id is None or slot.until is None or slot.until <= now
-
-
-def grant(
+def take(
     change: Change,
     limit: Limit,
-    want: int,
     worker: str,
     now: datetime,
-    idle_extra: int = 0,
-    prefer: frozenset[int] = frozenset(),
-) -> Grant:
-    """Up to ``want`` permits, none starting later than ``HORIZON``; then up to
-    ``idle_extra`` more on lanes and slots nobody took for ``IDLE`` seconds."""
-    gate = change.work
+    mine: tuple[frozenset[int], frozenset[int]],
+    idle: tuple[int, int] = (0, 0),
+) -> tuple[dict[int, HeldLane], dict[int, HeldSlot]]:
+    """Lease the lanes and slots dealt to this worker (``mine``, see ``dealt``) that are
+    free, until ``now + LEASE``; then up to ``idle`` more lanes and slots among those
+    nobody used for ``IDLE`` seconds (others leave them unused)."""
+    gate, until = change.work, lease_end(now)
     resize(gate, limit, now)
-    if gate.throttled_until is not None and gate.throttled_until > now:
-        return Grant([], gate.throttled_until)
-    horizon, idle = now + timedelta(seconds=HORIZON), now - timedelta(seconds=IDLE)
-    lanes = (
-        _lanes_by_preference(gate, now, change.lanes, prefer) if limit.rate else [None] * (want + idle_extra)
-    )
-    slots = [j for j, slot in enumerate(gate.running) if _slot_free(slot, now)]
-    random.shuffle(slots)
-    permits: list[Permit] = []
-    for i in lanes:
-        lane = gate.lanes[i] if i is not None else None
-        if lane is not None and lane.at > horizon:
-            break
-        extra = len(permits) >= want
-        if len(permits) >= want + idle_extra or (extra and lane is not None and lane.at > idle):
-            break
-        slot = _pick_slot(gate, slots, limit, idle if extra else None)
-        if limit.max_running is not None and slot is None:
-            break
-        permits.append(_take(change, i, slot, limit, worker, now))
-    enough = len(permits) >= want
-    return Grant(permits, None if enough else _retry_at(gate, limit, now))
-
-
-def _lanes_by_preference(
-    gate: GateDoc, now: datetime, own: set[int], prefer: frozenset[int]
-) -> list[int | None]:
-    """Free lanes open now, then those opening later, soonest first. Among equals: lanes
-    this write just settled (nobody else can have taken them), then the asking worker's
-    preferred lanes (each lane prefers one live worker, so workers asking at once rarely
-    reach for the same lane), then the rest in random order."""
-    free = [i for i, lane in enumerate(gate.lanes) if _lane_free(lane, now)]
+    period, unused = (limit.rate.period if limit.rate else 0.0), now - timedelta(seconds=IDLE)
+    free = [i for i, lane in enumerate(gate.lanes[: _size(limit.rate)]) if lane.free(now)]
     random.shuffle(free)
-    free.sort(key=lambda i: (i not in own, i not in prefer))
-    open_now = [i for i in free if gate.lanes[i].at <= now]
-    later = sorted((i for i in free if gate.lanes[i].at > now), key=lambda i: gate.lanes[i].at)
-    return [*open_now, *later]
-
-
-def preferred_lanes(gate: str, lanes: int, worker: str, peers: list[str]) -> frozenset[int]:
-    """The lanes of ``gate`` that prefer ``worker`` among the live ``peers`` (itself
-    included): each lane prefers the peer of highest rendezvous hash, so every worker
-    computes the same split without talking to the others."""
-
-    def score(peer: str, lane: int) -> bytes:
-        return hashlib.blake2b(f"{gate}:{lane}:{peer}".encode(), digest_size=8).digest()
-
-    return frozenset(i for i in range(lanes) if max(peers, key=lambda p: score(p, i)) == worker)
-
-
-def _pick_slot(gate: GateDoc, slots: list[int], limit: Limit, idle: datetime | None) -> int | None:
-    if limit.max_running is None:
-        return None
-    for j in slots:
-        if idle is None or gate.running[j].freed <= idle:
-            slots.remove(j)
-            return j
-    return None
-
-
-def _take(change: Change, i: int | None, j: int | None, limit: Limit, worker: str, now: datetime) -> Permit:
-    gate, pid = change.work, uuid.uuid4().hex
-    lane = gate.lanes[i] if i is not None else None
-    start = max(now - timedelta(seconds=EARLY), lane.at if lane is not None else EPOCH)
-    until = max(start, now) + timedelta(seconds=SLACK)
-    if lane is not None and i is not None and limit.rate is not None:
-        lane.prev, lane.holder, lane.from_, lane.until = lane.at, pid, start, until
-        lane.hold = until + timedelta(seconds=HOLD)
-        lane.at = until + timedelta(seconds=limit.rate.period)
+    extra = [i for i in free if i not in mine[0] and gate.lanes[i].unused_since() <= unused]
+    held: dict[int, HeldLane] = {}
+    for i in [*(i for i in free if i in mine[0]), *extra[: max(0, idle[0])]]:
+        opens = gate.lanes[i].opens(period)
+        gate.lanes[i] = Lane(holder=worker, until=until, next=opens, freed=gate.lanes[i].freed)
+        held[i] = HeldLane(opens, until)
         change.lanes.add(i)
-    if j is not None:
-        gate.running[j] = Slot(id=pid, worker=worker, until=now + timedelta(seconds=SLOT_LEASE), freed=EPOCH)
+    free_slots = [j for j, slot in enumerate(gate.running[: limit.max_running or 0]) if slot.free(now)]
+    random.shuffle(free_slots)
+    spare = [j for j in free_slots if j not in mine[1] and gate.running[j].unused_since() <= unused]
+    got: dict[int, HeldSlot] = {}
+    for j in [*(j for j in free_slots if j in mine[1]), *spare[: max(0, idle[1])]]:
+        gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
+        got[j] = HeldSlot(until)
         change.slots.add(j)
-    return Permit(pid, gate.id, start, until, lane is not None, j is not None)
+    return held, got
 
 
-def _retry_at(gate: GateDoc, limit: Limit, now: datetime) -> datetime:
-    """When asking again may give a permit: a free lane coming within the horizon, a held
-    one being settled (soon after its start), a slot lapsing; never before ``now``."""
-    times: list[datetime] = []
-    if limit.rate is not None:
-        ahead = timedelta(seconds=max(0.0, limit.rate.period - HORIZON) + 0.05)
-        free = [lane.at for lane in gate.lanes if _lane_free(lane, now)]
-        held = [
-            lane.from_ + ahead for lane in gate.lanes if not _lane_free(lane, now) and lane.from_ is not None
-        ]
-        if free:
-            times.append(min(free) - timedelta(seconds=HORIZON))
-        if held:
-            times.append(min(held))
-    if limit.max_running is not None and not any(_slot_free(s, now) for s in gate.running):
-        ends = [s.until for s in gate.running if s.until is not None]
-        times.append(min([now + timedelta(seconds=SLOT_POLL), *ends]))
-    return max(now, min(times)) if times else now + timedelta(seconds=SLOT_POLL)
+def lease_end(now: datetime) -> datetime:
+    """``now + LEASE`` to the millisecond, as the server stores it: writes expect it back."""
+    end = now + timedelta(seconds=LEASE)
+    return end.replace(microsecond=end.microsecond // 1000 * 1000)
+
+
+def _size(rate: Rate | None) -> int:
+    return rate.limit if rate else 0
+
+
+def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
+    """Extend the lease of every lane and slot ``lease`` holds that is still this
+    worker's; forget the others (their lease lapsed and someone took them)."""
+    gate, until = change.work, lease_end(now)
+    for i, held in list(lease.lanes.items()):
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+            gate.lanes[i] = Lane(holder=worker, until=until, next=held.next, freed=gate.lanes[i].freed)
+            change.lanes.add(i)
+        else:
+            del lease.lanes[i]
+    for j, slot in list(lease.slots.items()):
+        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+            gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
+            change.slots.add(j)
+        else:
+            del lease.slots[j]
+
+
+def release(
+    change: Change, lease: Lease, worker: str, now: datetime, lanes: set[int], slots: set[int]
+) -> None:
+    """Give back these lanes and slots of ``lease`` (a lane records its next start)."""
+    gate = change.work
+    for i in lanes & set(lease.lanes):
+        held = lease.lanes.pop(i)
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+            gate.lanes[i] = Lane(next=held.next, freed=now)
+            change.lanes.add(i)
+    for j in slots & set(lease.slots):
+        slot = lease.slots.pop(j)
+        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+            gate.running[j] = Slot(freed=now)
+            change.slots.add(j)
+
+
+def dealt(gate: str, size: int, worker: str, peers: list[str]) -> frozenset[int]:
+    """The lanes (or slots) of ``gate`` dealt to ``worker`` among the live ``peers``
+    (itself included): round-robin over the sorted peers from a start that depends on the
+    gate, so shares differ by at most one, gates with few lanes do not all go to the same
+    worker, and every worker computes the same split without talking to the others."""
+    order = sorted(set(peers) | {worker})
+    start = int.from_bytes(hashlib.blake2b(gate.encode(), digest_size=4).digest(), "big")
+    me = order.index(worker)
+    return frozenset(i for i in range(size) if (start + i) % len(order) == me)

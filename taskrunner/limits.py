@@ -18,7 +18,7 @@ import asyncio
 import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -39,6 +39,13 @@ POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents 
 RECHECK = 30.0  # seconds between reads while following the stream (a missed event costs no more)
 
 
+class GateThrottle(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    gate: str
+    until: UtcDatetime
+
+
 class LimitState(BaseModel):
     """One stored document of ``<collection>.limits``."""
 
@@ -51,6 +58,8 @@ class LimitState(BaseModel):
     updated_at: UtcDatetime | None = None
     throttled_until: UtcDatetime | None = None
     """Set when a handler raised ``RateLimited``: no task of the name starts before it."""
+    throttled_gates: list[GateThrottle] = Field(default_factory=list)
+    """``RateLimited`` of a name with ``limit_by``: that value's gate only."""
     rate_limit: str | None = None
     """An operator's rate (``taskrunner limit NAME --rate 10/s``); wins over the code's.
     Present but null: no rate, whatever the code says."""
@@ -158,6 +167,8 @@ class LimitWatch:
         self.paused: frozenset[str] = frozenset()
         self.problems: dict[str, str] = {}
         self._throttle_ends: float | None = None
+        self.gate_throttles: dict[str, float] = {}
+        """Gates of ``limit_by`` values a handler's ``RateLimited`` holds back, until when."""
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
@@ -167,8 +178,13 @@ class LimitWatch:
                 log.warning("skipping unreadable limits document", name=name, problem=problem)
         self.problems = problems
         now = self.now()
-        ends = [s.throttled_until for s in states.values()
-                if isinstance(s, LimitState) and s.throttled_until is not None and s.throttled_until > now]  # fmt: skip
+        readable = [s for s in states.values() if isinstance(s, LimitState)]
+        self.gate_throttles = {t.gate: t.until.timestamp() for s in readable for t in s.throttled_gates
+                               if t.until > now}  # fmt: skip
+        ends = [
+            s.throttled_until for s in readable if s.throttled_until is not None and s.throttled_until > now
+        ]
+        ends += [datetime.fromtimestamp(t, UTC) for t in self.gate_throttles.values()]
         self._throttle_ends = min(ends).timestamp() if ends else None
         paused = paused_names(states, self.names, now)
         if paused != self.paused:

@@ -157,7 +157,8 @@ class Worker:
         self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now,
                                  declared=self.declared, on_limits=self._limits_changed)  # fmt: skip
         self.gates = GateKeeper(self.store, self.worker_id, self.clock.now, self.limits.limits,
-                                capacity=concurrency, peers=self._serving)  # fmt: skip
+                                capacity=concurrency, peers=self._serving,
+                                throttled=lambda gate: self.limits.gate_throttles.get(gate))  # fmt: skip
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
         self._misses: dict[str, int] = {}
@@ -193,19 +194,17 @@ class Worker:
         at = rules.next_claim(task, self.worker_id) if claimable else None
         if at is None:
             self.queue.discard(task.key)
-            self.gates.forget(task.key)
             return False
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
-        # A limited name's backlog waits for its gate, not for its owner: a worker busy with
-        # the name steals none of it (two workers would hold permits for one task); an idle
-        # one does, so a backlog found by sweeps is not left to its owners alone.
-        stealable = task.state is TaskState.RUNNING or not self.gates.busy(task.name)
+        # A limited name's backlog waits for its owner's lanes: only a worker with a lane or
+        # slot of the gate open right now takes it on.
+        gate = self.gates.gate_of(task.name, task.params)
+        stealable = task.state is TaskState.RUNNING or not gate or self.gates.spare(gate)
         if mine or self.owns(task) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
-            gate = self.gates.gate_of(task.name, task.params)
             self.queue.put(task.key, when, rank, fresh=fresh, name=task.name, gate=gate)
             return True
         return False
@@ -222,7 +221,6 @@ class Worker:
         """Drop queued tasks of newly paused names; sweep at once for resumed ones' backlog."""
         self.log.info("paused names changed", paused=sorted(paused))
         self.queue.drop_names(paused)
-        self.gates.give_back(lambda permit: self.gates.name_of(permit.gate) in paused)
         self.sweep_at(None)
 
     def _limits_changed(self, limits: dict[str, Limit]) -> None:
@@ -428,7 +426,7 @@ class Worker:
         """Claim due tasks of limited names whose permits allow it now, at most ``slots``;
         put the others back until their permit starts or their gate may give one."""
         try:
-            ready, later = await self.gates.admit(due)
+            ready, later = await self.gates.admit(due, slots)
         except StoreError as exc:
             retry = self.clock.now() + self._claims.failed(exc)
             later, ready = [(entry, retry) for entry in due], []
@@ -436,7 +434,7 @@ class Worker:
             self.queue.again(entry, at)
         if later:
             self.observer.throttled(sorted(entry.name for entry, _ in later))
-        return await self._claim_with_permits(ready[:slots]) if ready else []
+        return await self._claim_with_permits(ready) if ready else []
 
     async def _claim_with_permits(self, ready: list[tuple[Due, Permit]]) -> list[Claim]:
         """One claim for tasks whose permits are open now: the server takes them only
@@ -446,15 +444,15 @@ class Worker:
             [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
         )
         if claimed is None:
-            for entry, permit in ready:  # it may have landed: count each as a start at the latest
-                self.gates.used(entry, permit, permit.until)
+            for _, permit in ready:  # it may have landed: count each as a start at the latest
+                self.gates.used(permit, permit.until)
             return []
         rejected = {str(problem.key) for problem in claimed.rejected}
         won = {claim.task.key: claim for claim in claimed.claims}
         for entry, permit in ready:
             claim = won.get(entry.key)
             started = claim.entry.claimed_at if claim else permit.until if entry.key in rejected else None
-            self.gates.used(entry, permit, started, claim.run_id if claim else None)
+            self.gates.used(permit, started, claim.run_id if claim else None)
         return claimed.claims
 
     def _sweep_intervals(self) -> tuple[float, float]:

@@ -1,5 +1,7 @@
-"""The gate arithmetic (taskrunner.gates): exact sliding windows and running caps, with
-workers that claim late, never, or die holding permits."""
+"""Fleet-wide limits (taskrunner.gates, taskrunner.gatekeeper): workers lease lanes and
+running slots and start tasks on them; exact sliding windows and running caps whatever
+their clocks, with claims that come late or never and workers that die holding leases.
+Driven by a memory store on a simulated server clock."""
 
 from __future__ import annotations
 
@@ -8,48 +10,70 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from taskrunner.claimqueue import Due
 from taskrunner.errors import InvalidTask
+from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import (
-    EARLY,
-    HOLD,
-    SLACK,
+    EPOCH,
+    IDLE,
+    LEASE,
     Change,
     GateDoc,
-    Grant,
+    Lane,
     Limit,
+    Permit,
     Rate,
-    Settlement,
     gate_id,
-    grant,
     parse_rate,
-    settle,
 )
+from taskrunner.store.memory import MemoryStore
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
+NAME = "call_api"
 
 
 def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def fresh(name: str = "call_api") -> GateDoc:
-    doc, problem = GateDoc.read(None, name, name)
-    assert problem is None
-    return doc
+class Fleet:
+    """Gate keepers sharing one memory store whose clock is ``self.t`` seconds past T0;
+    a claim lands ``delay`` seconds later and the server takes it only within its window."""
+
+    def __init__(self, limit: Limit) -> None:
+        self.t, self.limit, self.starts, self.serial = 0.0, limit, list[float](), 0
+        self.store = MemoryStore(clock=lambda: at(self.t))
+        self.names: list[str] = []
+
+    def keeper(self, worker: str, skew: float = 0.0, capacity: int = 10) -> GateKeeper:
+        """A worker whose estimate of the server's clock is off by ``skew`` seconds."""
+        self.names.append(worker)
+        return GateKeeper(self.store, worker, lambda: at(self.t + skew).timestamp(), {NAME: self.limit},
+                          capacity=capacity, peers=lambda name: list(self.names))  # fmt: skip
+
+    def due(self, count: int) -> list[Due]:
+        self.serial += count
+        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, NAME) for i in range(count)]
+
+    async def start(self, keeper: GateKeeper, count: int, delay: float = 0.0) -> list[Permit]:
+        """Ask for ``count`` starts; the permits' claims land ``delay`` later."""
+        ready, _ = await keeper.admit(self.due(count), count)
+        for _, permit in ready:
+            landed = at(self.t + delay)
+            taken = permit.start <= landed <= permit.until
+            if taken:
+                self.starts.append(self.t + delay)
+            keeper.used(permit, landed if taken else None, f"run{self.serial}-{permit.id}" if taken else None)
+        return [permit for _, permit in ready]
+
+    async def gate(self) -> GateDoc:
+        doc, problem = GateDoc.read(await self.store.read_gate(NAME), NAME, NAME)
+        assert problem is None
+        return doc
 
 
-def ask(
-    gate: GateDoc, limit: Limit, want: int, worker: str, now: datetime, owed: Settlement | None = None
-) -> Grant:
-    """One worker's write, applied to ``gate`` as the store would (it is the only writer)."""
-    change = Change(gate, gate)
-    settle(change, owed or Settlement(), limit.rate, now)
-    return grant(change, limit, want, worker, now)
-
-
-def most_in_window(starts: list[datetime], period: float) -> int:
-    times = sorted(s.timestamp() for s in starts)
-    best, lo = 0, 0
+def most_in_window(starts: list[float], period: float) -> int:
+    times, best, lo = sorted(starts), 0, 0
     for hi, t in enumerate(times):
         while t - times[lo] >= period:
             lo += 1
@@ -75,124 +99,160 @@ def test_gate_id_is_the_name_or_the_name_and_the_limit_by_value() -> None:
     assert gate_id("call_api", "customer_id", {"customer_id": 7}) != gate_id("call_api", "customer_id", {})
 
 
-def test_a_fleet_of_sloppy_workers_never_puts_more_than_n_starts_in_a_window() -> None:
-    """Random asks, late claims, unused permits and dead holders: any window of the period
-    holds at most N starts, and a steady asker gets close to the full rate."""
+async def test_a_fleet_with_skewed_clocks_late_claims_and_deaths_never_exceeds_n_per_window() -> None:
+    """Four workers whose clocks are off by up to 0.3 s, claims landing up to 0.3 s late,
+    one worker dying with its lanes and another joining: no window of the period holds
+    more than N starts, and the fleet still starts most of what the rate allows."""
     rng = random.Random(7)
-    limit = Limit(Rate(5, 1.0))
-    gate, starts, now = fresh(), [], 0.0
-    owed: dict[str, Settlement] = {w: Settlement() for w in "abcd"}
-    while now < 60:
-        now += rng.uniform(0.0, 0.05)
-        worker = rng.choice("abcd")
-        granted = ask(gate, limit, rng.randint(1, 4), worker, at(now), owed[worker])
-        owed[worker] = Settlement()
-        for permit in granted.permits:
-            fate = rng.random()
-            if fate < 0.02:
-                continue  # the worker died holding it: never settled
-            if fate < 0.1:
-                owed[worker].used[permit.id] = None  # claimed nothing
-                continue
-            # The claim lands somewhere in the permit's window (the server checks it).
-            started = permit.start + (permit.until - permit.start) * rng.random() ** 4
-            starts.append(started)
-            owed[worker].used[permit.id] = started
-    assert most_in_window(starts, 1.0) <= 5
-    assert len(starts) >= 0.7 * 5 * 60  # dead holders and late claims cost some
+    fleet = Fleet(Limit(Rate(5, 1.0)))
+    keepers = {w: fleet.keeper(w, rng.uniform(-0.3, 0.3)) for w in "abcd"}
+    while fleet.t < 90:
+        fleet.t += rng.uniform(0.0, 0.05)
+        if fleet.t > 20 and "d" in keepers:
+            del keepers["d"]  # dies: never renews, never gives back
+        if fleet.t > 25 and "e" not in keepers:
+            keepers["e"] = fleet.keeper("e", -0.2)
+        keeper = keepers[rng.choice(sorted(keepers))]
+        await fleet.start(keeper, rng.randint(1, 4), rng.uniform(0.0, 0.3))
+        if rng.random() < 0.2:
+            await keeper.tend()
+    assert most_in_window(fleet.starts, 1.0) <= 5
+    assert len(fleet.starts) >= 0.6 * 5 * 90
 
 
-def test_a_lane_settled_at_once_is_reused_a_period_after_its_start() -> None:
-    """A start at c frees its lane at c + period: the next permit opens then, not later."""
-    limit = Limit(Rate(1, 1.0))
-    gate = fresh()
-    first = ask(gate, limit, 1, "w", at(0)).permits[0]
-    assert first.start == at(-EARLY)
-    assert first.until == at(SLACK)
-    second = ask(gate, limit, 1, "w", at(0.02), Settlement(used={first.id: at(0.01)})).permits[0]
-    assert second.start == at(1.01)  # within the horizon: granted now, to start then
-    nothing = ask(gate, limit, 1, "w", at(0.03))
-    assert nothing.permits == []
-    assert nothing.retry_at is not None and nothing.retry_at > at(1.01)  # after that start
+async def test_a_lane_opens_a_period_after_its_start_and_costs_no_write_per_task() -> None:
+    """Leasing the lane is one write; starts on it are the claims alone, a period apart."""
+    fleet = Fleet(Limit(Rate(1, 1.0)))
+    keeper = fleet.keeper("w")
+    assert len(await fleet.start(keeper, 1)) == 1
+    fleet.t = 0.5
+    ready, later = await keeper.admit(fleet.due(1), 1)
+    assert ready == [] and later[0][1] == pytest.approx(at(1.0).timestamp(), abs=0.05)
+    fleet.t = 1.05
+    assert len(await fleet.start(keeper, 1)) == 1
+    assert keeper.counts["writes"] == 1 and fleet.starts == [0.0, 1.05]
 
 
-def test_an_unused_permit_gives_its_lane_back_as_it_was() -> None:
-    """Settling a permit as unused restores the lane, so nothing is lost to a missed claim."""
-    limit = Limit(Rate(1, 10.0))
-    gate = fresh()
-    permit = ask(gate, limit, 1, "w", at(0)).permits[0]
-    again = ask(gate, limit, 1, "w", at(0.2), Settlement(used={permit.id: None}))
-    assert again.permits[0].start == at(0.2 - EARLY)
+async def test_a_dead_workers_lanes_open_a_period_after_its_lease_ends() -> None:
+    """Nobody renews: the lanes stay its own until the lease lapses, then open a period
+    later, after anything it could still have started."""
+    fleet = Fleet(Limit(Rate(2, 1.0)))
+    dead, alive = fleet.keeper("dead"), fleet.keeper("alive")
+    fleet.names.remove("alive")  # it joined later: the dead one took the whole rate
+    await fleet.start(dead, 2)
+    fleet.names.append("alive")
+    fleet.t = 5.0
+    assert await fleet.start(alive, 1) == [] and not alive.spare(NAME)
+    fleet.names.remove("dead")  # the registry forgot it: the whole rate is alive's share
+    fleet.t = LEASE + 0.1
+    ready, later = await alive.admit(fleet.due(1), 1)
+    assert ready == [] and min(t for _, t in later) >= at(LEASE + 1.0).timestamp()
+    fleet.t = LEASE + 1.1
+    assert len(await fleet.start(alive, 2)) == 2
 
 
-def test_a_dead_holders_lane_frees_after_its_hold_at_the_latest_start_plus_the_period() -> None:
-    """Nobody settles: the lane is free again after until + HOLD, and opens a period after
-    the latest moment its claim could have started."""
-    limit = Limit(Rate(1, 1.0))
-    gate = fresh()
-    permit = ask(gate, limit, 1, "dead", at(0)).permits[0]
-    assert ask(gate, limit, 1, "w", at(1.0)).permits == []
-    later = permit.until + timedelta(seconds=HOLD + 0.01)
-    assert ask(gate, limit, 1, "w", later).permits[0].start == permit.until + timedelta(seconds=1)
+async def test_max_running_holds_a_slot_per_run_until_it_finishes() -> None:
+    """At most M runs at once across workers; a finished run frees its slot for its own
+    worker at once, and a worker holding none waits (and steals nothing)."""
+    fleet = Fleet(Limit(max_running=2))
+    a, b = fleet.keeper("a", capacity=5), fleet.keeper("b", capacity=5)
+    fleet.names.remove("b")
+    first = await fleet.start(a, 5)
+    assert len(first) == 2
+    assert await fleet.start(a, 1) == []
+    fleet.names.append("b")
+    assert await fleet.start(b, 1) == [] and not b.spare(NAME)
+    a.finished(next(iter(a._leases[NAME].slots.values())).run or "")
+    assert len(await fleet.start(a, 3)) == 1
 
 
-def test_max_running_caps_slots_until_runs_end_or_their_lease_lapses() -> None:
-    """At most M slots; a finished run's slot is free at once, a dead worker's after its lease."""
-    limit = Limit(max_running=2)
-    gate = fresh()
-    permits = ask(gate, limit, 5, "w", at(0)).permits
-    assert len(permits) == 2 and all(slot.id for slot in gate.running)
-    refused = ask(gate, limit, 1, "w", at(1))
-    assert refused.permits == [] and refused.retry_at is not None and refused.retry_at > at(1)
-    assert len(ask(gate, limit, 5, "w", at(2), Settlement(released={permits[0].id})).permits) == 1
-    assert len(ask(gate, limit, 5, "w", at(100)).permits) == 2  # the unrenewed slots lapsed
+async def test_unused_lanes_go_back_after_idle_with_their_next_start() -> None:
+    """A worker with no due task for IDLE seconds gives its lanes back; another worker
+    takes them and starts no sooner than a period after the last start on each."""
+    fleet = Fleet(Limit(Rate(1, 10.0)))
+    a, b = fleet.keeper("a"), fleet.keeper("b")
+    fleet.names.remove("b")
+    await fleet.start(a, 1)
+    fleet.names.append("b")
+    fleet.t = IDLE + 0.5
+    await a.tend()
+    assert (await fleet.gate()).lanes[0].holder is None and (await fleet.gate()).lanes[0].next == at(10.0)
+    ready, later = await b.admit(fleet.due(1), 1)
+    assert ready == [] and later[0][1] >= at(10.0).timestamp()
 
 
-def test_a_throttled_gate_grants_nothing_until_the_throttle_ends() -> None:
-    """RateLimited for a limit_by value: no permit before throttled_until."""
-    limit = Limit(Rate(10, 1.0))
-    gate = fresh()
-    gate.throttled_until = at(30)
-    refused = ask(gate, limit, 1, "w", at(1))
-    assert refused.permits == [] and refused.retry_at == at(30)
-    assert ask(gate, limit, 1, "w", at(30.1)).permits
+async def test_renewal_keeps_the_lease_and_a_lapsed_lane_taken_by_another_is_let_go() -> None:
+    """Renewed every third of LEASE, lanes stay a worker's for good; a lane it failed to
+    renew in time and that another worker took is dropped at the next renewal."""
+    fleet = Fleet(Limit(Rate(2, 1.0)))
+    a, b = fleet.keeper("a"), fleet.keeper("b")
+    fleet.names.remove("b")
+    for step in range(1, 12):
+        fleet.t = step * LEASE / 4
+        await fleet.start(a, 1)
+        await a.tend()
+    assert {lane.holder for lane in (await fleet.gate()).lanes} == {"a"}
+    fleet.t += LEASE + 2  # a stalls past its lease and drops out of the registry; b takes all
+    fleet.names[:] = ["b"]
+    assert len(await fleet.start(b, 2)) == 2
+    await a.tend()
+    assert not a._leases.get(NAME) and {lane.holder for lane in (await fleet.gate()).lanes} == {"b"}
 
 
-def test_a_smaller_rate_drops_free_lanes_and_never_a_held_one() -> None:
-    """Lowering N keeps held lanes (their claims may still come) and drops free ones."""
-    gate = fresh()
-    held = ask(gate, Limit(Rate(4, 1.0)), 2, "w", at(0)).permits
-    ask(gate, Limit(Rate(1, 1.0)), 0, "w", at(0.1))
-    assert sorted(lane.holder for lane in gate.lanes if lane.holder) == sorted(p.id for p in held)
+async def test_a_smaller_rate_takes_effect_once_holders_give_lanes_back() -> None:
+    """New limits give every lane back at the next tick; the gate then has the new size."""
+    fleet = Fleet(Limit(Rate(4, 1.0)))
+    a = fleet.keeper("a")
+    await fleet.start(a, 4)
+    a.set_limits({NAME: Limit(Rate(1, 1.0))})
+    await a.tend()
+    fleet.t = 1.5
+    await fleet.start(a, 4)
+    assert (await fleet.gate()).shape == "1/0" and len((await fleet.gate()).lanes) == 1
 
 
-def test_writes_expect_only_what_they_touch() -> None:
-    """A grant's write sets the lanes it takes, expecting each as it was read (and the
-    gate's shape); the first write of a gate creates it whole."""
-    limit = Limit(Rate(3, 1.0))
-    first = Change.of(fresh())
-    grant(first, limit, 1, "w", at(0))
+async def test_a_throttled_gate_starts_nothing_until_the_throttle_ends() -> None:
+    """RateLimited for a limit_by value: the worker stops at once, the limits document
+    lists the gate for others, and starts resume after the throttle."""
+    fleet = Fleet(Limit(Rate(10, 1.0)))
+    a = fleet.keeper("a")
+    await a.throttle(NAME, NAME, 30.0)
+    ready, later = await a.admit(fleet.due(1), 1)
+    assert ready == [] and later[0][1] == pytest.approx(at(30.0).timestamp())
+    [state] = (await fleet.store.limits([NAME])).values()
+    assert not isinstance(state, str) and [t.gate for t in state.throttled_gates] == [NAME]
+    fleet.t = 30.1
+    assert len(await fleet.start(a, 1)) == 1
+
+
+def test_writes_expect_only_the_lanes_they_touch() -> None:
+    """A change of one lane expects that lane as read (and the shape);
+    the first write of a gate creates it whole."""
+    doc, _ = GateDoc.read(None, NAME, NAME)
+    first = Change.of(doc)
+    first.work.lanes = [Lane() for _ in range(3)]
     created = first.write()
     assert created is not None and created.create and created.expect == {"shape": None}
     stored = first.work
     second = Change.of(stored)
-    [permit] = grant(second, limit, 1, "w", at(0.1)).permits
+    second.work.lanes[1].holder = "w"
+    second.lanes.add(1)
     write = second.write()
     assert write is not None and not write.create
-    [path] = [p for p in write.changes if p.startswith("lanes.")]
-    index = path.split(".")[1]
     assert write.expect == {
         "shape": "3/0",
-        f"lanes.{index}.holder": None,
-        f"lanes.{index}.at": stored.lanes[int(index)].at,
+        "lanes.1.holder": None,
+        "lanes.1.until": None,
+        "lanes.1.next": EPOCH,
+        "lanes.1.freed": EPOCH,
     }
-    assert write.changes[path]["holder"] == permit.id
+    assert list(write.changes) == ["lanes.1"]
 
 
 def test_an_unreadable_gate_starts_over_and_says_why() -> None:
-    """A hand-broken gate document is replaced (keeping its version), not a crash."""
+    """A hand-broken gate document is replaced whole (over the shape it had), not a crash."""
     doc, problem = GateDoc.read({"_id": "g", "shape": "3/0", "lanes": "oops"}, "g", "g")
     assert problem is not None and "lanes" in problem
     assert doc.shape == "3/0" and doc.lanes == []
-    overwrite = Change.of(doc).write()  # whole, over the shape it saw
+    overwrite = Change.of(doc).write()
     assert overwrite is not None and overwrite.expect == {"shape": "3/0"} and overwrite.changes["lanes"] == []

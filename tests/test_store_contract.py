@@ -759,3 +759,19 @@ async def test_operators_limits_override_and_clear_keeps_the_rest(store: Store) 
     cleared = await store.set_limits("quick", {}, clear=True)
     assert cleared.paused and cleared.declared["rate_limit"] == "5/1s"
     assert not {"rate_limit", "max_running"} & cleared.model_fields_set
+
+
+async def test_a_gate_throttle_keeps_the_longest_end_and_drops_ended_ones(store: Store) -> None:
+    """``throttle(gate=...)`` lists each gate once in ``throttled_gates`` with the later of
+    its ends (server time), leaves the name-wide throttle alone, and drops ended entries."""
+    before = await store.server_time()
+    await store.throttle("quick", 30, gate='quick#"a"')
+    await store.throttle("quick", 1, gate='quick#"a"')
+    await store.throttle("quick", 0.05, gate='quick#"b"')
+    await asyncio.sleep(0.3)
+    await store.throttle("quick", 10, gate='quick#"c"')
+    state = (await store.limits(["quick"]))["quick"]
+    assert not isinstance(state, str) and state.throttled_until is None
+    ends = {t.gate: t.until for t in state.throttled_gates}
+    assert set(ends) == {'quick#"a"', 'quick#"c"'}
+    assert ends['quick#"a"'] >= before + timedelta(seconds=29)

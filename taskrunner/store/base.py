@@ -307,9 +307,10 @@ class Store(Protocol):
         """A stream whose events say only that some limits document changed (workers then
         read them again); raises ``ChangeStreamsUnsupported`` when the server has none."""
 
-    async def throttle(self, name: str, seconds: float) -> None:
+    async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
         """Start no task of ``name`` for ``seconds`` from server now (``RateLimited``); a
-        longer throttle already set is kept."""
+        longer throttle already set is kept. With ``gate`` (a ``limit_by`` value's gate),
+        only that gate's tasks, listed in ``throttled_gates`` (expired entries dropped)."""
 
     async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
         """Set operators' limits of ``name`` (``rate_limit``, ``max_running``: a value, or

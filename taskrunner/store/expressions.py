@@ -516,6 +516,22 @@ def throttle_update(seconds: float) -> list[Expr]:
     return [{"$set": {f.THROTTLED_UNTIL: {"$max": [current, until]}, f.UPDATED_AT: NOW}}]
 
 
+def throttle_gate_update(gate: str, seconds: float) -> list[Expr]:
+    """``throttled_gates`` keeps the other gates' live throttles and holds ``gate`` until
+    at least server now plus ``seconds``."""
+    listed = {"$cond": [{"$isArray": f.ref(f.THROTTLED_GATES)}, f.ref(f.THROTTLED_GATES), []]}
+    until = {"$add": [NOW, seconds * 1000]}
+    this, other = ({op: [f"$$t.{f.GATE}", {"$literal": gate}]} for op in ("$eq", "$ne"))
+    live = {"$gt": [f"$$t.{f.UNTIL}", NOW]}
+    others = {"$filter": {"input": listed, "as": "t", "cond": {"$and": [other, live]}}}
+    same = {"$filter": {"input": listed, "as": "t", "cond": this}}
+    longest = {
+        "$reduce": {"input": same, "initialValue": until, "in": {"$max": ["$$value", f"$$this.{f.UNTIL}"]}}
+    }
+    entry = {f.GATE: {"$literal": gate}, f.UNTIL: longest}
+    return [{"$set": {f.THROTTLED_GATES: {"$concatArrays": [others, [entry]]}, f.UPDATED_AT: NOW}}]
+
+
 def window_filter(start: datetime, end: datetime) -> dict[str, Any]:
     """Matches only while the server's clock is in ``[start, end]`` (a gate's permit)."""
     return {"$expr": {"$and": [{"$gte": [NOW, start]}, {"$lte": [NOW, end]}]}}

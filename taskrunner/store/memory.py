@@ -437,12 +437,22 @@ class MemoryStore:
         self._limit_written()
         return readable_limit(_clone(doc))
 
-    async def throttle(self, name: str, seconds: float) -> None:
+    async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
         doc = self._limits.setdefault(name, {f.ID: name})
-        until = self._clock() + timedelta(seconds=seconds)
-        current = doc.get(f.THROTTLED_UNTIL)
-        doc[f.THROTTLED_UNTIL] = max(current, until) if isinstance(current, datetime) else until
-        doc[f.UPDATED_AT] = self._clock()
+        now = self._clock()
+        until = now + timedelta(seconds=seconds)
+        if gate is None:
+            current = doc.get(f.THROTTLED_UNTIL)
+            doc[f.THROTTLED_UNTIL] = max(current, until) if isinstance(current, datetime) else until
+        else:
+            listed = doc.get(f.THROTTLED_GATES)
+            listed = listed if isinstance(listed, list) else []
+            same = [t[f.UNTIL] for t in listed if isinstance(t, dict) and t.get(f.GATE) == gate]
+            others = [t for t in listed if isinstance(t, dict) and t.get(f.GATE) != gate
+                      and isinstance(t.get(f.UNTIL), datetime) and t[f.UNTIL] > now]  # fmt: skip
+            longest = max([until, *(u for u in same if isinstance(u, datetime))])
+            doc[f.THROTTLED_GATES] = [*others, {f.GATE: gate, f.UNTIL: longest}]
+        doc[f.UPDATED_AT] = now
         self._limit_written()
 
     async def watch_limits(self) -> ChangeStream:

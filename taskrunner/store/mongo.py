@@ -620,9 +620,10 @@ class MongoStore:
             stream = await self.limit_docs.watch([], max_await_time_ms=_WORK_AWAIT_MS)
         return _MongoChangeStream(stream)
 
-    async def throttle(self, name: str, seconds: float) -> None:
+    async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
+        update = x.throttle_update(seconds) if gate is None else x.throttle_gate_update(gate, seconds)
         with mapped_errors():
-            await self.limit_docs.update_one({f.ID: name}, x.throttle_update(seconds), upsert=True)
+            await self.limit_docs.update_one({f.ID: name}, update, upsert=True)
 
     async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
         update: Doc = {"$currentDate": {f.UPDATED_AT: True}}
