@@ -99,6 +99,8 @@ class GateKeeper:
             return ""
         gate = gate_id(name, limit.limit_by, params)
         self._names[gate] = name
+        if (lease := self._leases.get(gate)) is not None:
+            lease.wanted = max(lease.wanted, self.now())  # a task of it is about: not idle
         return gate
 
     def name_of(self, gate: str) -> str:
@@ -128,7 +130,10 @@ class GateKeeper:
             return not lease.starved
         if not limit.rate:  # a slot of its own frees within a run: worth queueing for
             return bool(lease.slots)
-        return lease.open(limit, _utc(self.now()))
+        # Open lanes, and no task of its own asked for one for a period: its own backlog
+        # of the gate is done (a worker between two bursts of its own would collide).
+        now = self.now()
+        return lease.open(limit, _utc(now)) and now - lease.wanted > limit.rate.period
 
     # -- permits ---------------------------------------------------------------------------------
     async def admit(
@@ -165,12 +170,14 @@ class GateKeeper:
         at = _utc(now)
         permits = lease.permits(gate, limit, len(entries), at)
         waiting = len(entries) - len(permits)
-        if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name, waiting):
+        if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name):
             await self._ask(gate, name, lease, limit, waiting)  # raises StoreError only when the server does
             permits += lease.permits(gate, limit, waiting, at)
         ready.extend(zip(entries, permits, strict=False))
         rest = entries[len(permits) :]
-        later.extend(zip(rest, self._wait_times(lease, limit, len(rest), now), strict=True))
+        waits = self._wait_times(lease, limit, len(rest), now)
+        later.extend(zip(rest, waits, strict=True))
+        lease.wanted = max([now, *waits])  # its lanes are wanted until these tasks look again
 
     def _mine(self, gate: str, limit: Limit, name: str) -> tuple[frozenset[int], frozenset[int]]:
         """The lanes and slots dealt to this worker among the live workers of the name
@@ -185,12 +192,10 @@ class GateKeeper:
             self._dealt[key] = lanes, frozenset(slots)
         return self._dealt[key]
 
-    def _wants_more(self, gate: str, lease: Lease, limit: Limit, name: str, waiting: int) -> bool:
-        """Missing some of its dealt lanes or slots, or with more tasks waiting than its
-        lanes start in a period or its slots run: asking may give what others left idle."""
+    def _wants_more(self, gate: str, lease: Lease, limit: Limit, name: str) -> bool:
+        """Whether some lane or slot dealt to it is not its own yet."""
         lanes, slots = self._mine(gate, limit, name)
-        short = bool(lanes - set(lease.lanes)) or bool(slots - set(lease.slots))
-        return short or waiting > len(lease.lanes if limit.rate else lease.slots)
+        return bool(lanes - set(lease.lanes)) or bool(slots - set(lease.slots))
 
     def _wait_times(self, lease: Lease, limit: Limit, count: int, now: float) -> list[float]:
         """When each of ``count`` waiting tasks should look again: when a lane of this
@@ -226,20 +231,17 @@ class GateKeeper:
 
     # -- the gate documents ----------------------------------------------------------------------
     async def _ask(self, gate: str, name: str, lease: Lease, limit: Limit, waiting: int) -> None:
-        """Take the free lanes and slots dealt to this worker, and as many more of those
-        nobody used for a while as the waiting tasks need."""
+        """Take the free lanes and slots dealt to this worker."""
         lanes, slots = self._mine(gate, limit, name)
         mine = lanes - set(lease.lanes), slots - set(lease.slots)
-        extra = (
-            max(0, waiting - len(lease.lanes) - len(mine[0])),
-            max(0, min(waiting, self.capacity - len(lease.slots)) - len(mine[1])),
-        )
         got: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
         def taking(change: Change, now: datetime) -> None:
-            got[:] = [take(change, limit, self.worker_id, now, mine, extra)]
+            got[:] = [take(change, limit, self.worker_id, now, mine)]
 
-        if not await self._write(gate, name, taking, fresh=True):
+        if not any(mine):  # nothing dealt to it is missing (more workers than the limit)
+            got.clear()
+        elif not await self._write(gate, name, taking, fresh=True):
             got.clear()  # others kept changing it: as if nothing was free
         lanes_got, slots_got = got[0] if got else ({}, {})
         lease.lanes.update(lanes_got)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -131,10 +130,6 @@ class Lane(BaseModel):
     def free(self, now: datetime) -> bool:
         return self.holder is None or self.until is None or self.until <= now
 
-    def unused_since(self) -> datetime:
-        """Since when nobody may have used it: given back, or its holder's lease lapsed."""
-        return self.freed if self.holder is None or self.until is None else self.until
-
     def opens(self, period: float) -> datetime:
         """When a new holder may start on it: after its last start, and after anything a
         holder whose lease lapsed could have started."""
@@ -154,9 +149,6 @@ class Slot(BaseModel):
 
     def free(self, now: datetime) -> bool:
         return self.holder is None or self.until is None or self.until <= now
-
-    def unused_since(self) -> datetime:
-        return self.freed if self.holder is None or self.until is None else self.until
 
 
 class GateDoc(BaseModel):
@@ -236,7 +228,8 @@ class Lease:
     lanes: dict[int, HeldLane] = field(default_factory=dict)
     slots: dict[int, HeldSlot] = field(default_factory=dict)
     wanted: float = 0.0
-    """When a due task last asked (this worker's estimate of server time)."""
+    """Until when this worker has a use for it: a task of the gate was queued, asked, or
+    will look again (its estimate of server time)."""
     retry: float = 0.0
     """Asking the gate for more before this gives nothing new."""
     misses: int = 0
@@ -290,13 +283,16 @@ class Lease:
         reused every period), or nothing when this worker's lanes cannot start them."""
         if not limit.rate:
             return []
-        times = sorted(h.ready for h in self.lanes.values() if h.permit is None and h.until > now)
-        if not times:
-            return []
-        period, out = limit.rate.period, []
-        for k in range(waiting):
+        period, now_s, ends = limit.rate.period, now.timestamp(), self.lanes_end()
+        # A lane with a claim on its way opens a period after that claim's reply at the
+        # earliest, so about a period from now.
+        times = sorted(
+            h.ready if h.permit is None else max(h.ready, now_s) + period for h in self.lanes.values()
+        )
+        out: list[float] = []
+        for k in range(waiting if times else 0):
             at = times[k % len(times)] + period * (k // len(times))
-            if at >= self.lanes_end():
+            if at >= ends:
                 break
             out.append(at)
         return out
@@ -401,28 +397,24 @@ def take(
     worker: str,
     now: datetime,
     mine: tuple[frozenset[int], frozenset[int]],
-    idle: tuple[int, int] = (0, 0),
 ) -> tuple[dict[int, HeldLane], dict[int, HeldSlot]]:
     """Lease the lanes and slots dealt to this worker (``mine``, see ``dealt``) that are
-    free, until ``now + LEASE``; then up to ``idle`` more lanes and slots among those
-    nobody used for ``IDLE`` seconds (others leave them unused)."""
+    free, until ``now + LEASE``. Only those: a worker with more tasks than its lanes start
+    leaves them to idle workers, which take them on with their own lanes (they steal),
+    so lanes never change hands while their workers live."""
     gate, until = change.work, lease_end(now)
     resize(gate, limit, now)
-    period, unused = (limit.rate.period if limit.rate else 0.0), now - timedelta(seconds=IDLE)
-    free = [i for i, lane in enumerate(gate.lanes[: _size(limit.rate)]) if lane.free(now)]
-    random.shuffle(free)
-    extra = [i for i in free if i not in mine[0] and gate.lanes[i].unused_since() <= unused]
+    period = limit.rate.period if limit.rate else 0.0
     held: dict[int, HeldLane] = {}
-    for i in [*(i for i in free if i in mine[0]), *extra[: max(0, idle[0])]]:
-        opens = gate.lanes[i].opens(period)
-        gate.lanes[i] = Lane(holder=worker, until=until, next=opens, freed=gate.lanes[i].freed)
-        held[i] = HeldLane(opens, until)
-        change.lanes.add(i)
+    for i in sorted(mine[0]):
+        if i < _size(limit.rate) and gate.lanes[i].free(now):
+            opens = gate.lanes[i].opens(period)
+            gate.lanes[i] = Lane(holder=worker, until=until, next=opens, freed=gate.lanes[i].freed)
+            held[i] = HeldLane(opens, until)
+            change.lanes.add(i)
     free_slots = [j for j, slot in enumerate(gate.running[: limit.max_running or 0]) if slot.free(now)]
-    random.shuffle(free_slots)
-    spare = [j for j in free_slots if j not in mine[1] and gate.running[j].unused_since() <= unused]
     got: dict[int, HeldSlot] = {}
-    for j in [*(j for j in free_slots if j in mine[1]), *spare[: max(0, idle[1])]]:
+    for j in (j for j in free_slots if j in mine[1]):
         gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
         got[j] = HeldSlot(until)
         change.slots.add(j)
