@@ -23,7 +23,8 @@ entry. A dead worker's slots lapse with its lease.
 
 So a worker writes the gate when it takes, renews (every ``LEASE / 3``) or gives back
 lanes and slots, never per task: a limited name costs about what an unlimited one does.
-Writes are conditional on the holder and lease of each lane and slot they touch.
+Lanes and slots are dealt round-robin over the live workers (``dealt``), so workers
+never compete for them; writes are conditional on each lane and slot they touch as read.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ from taskrunner.models import UtcDatetime, first_error, parse_duration
 LEASE = 30.0
 """Seconds a worker holds lanes and slots without renewing them (renewed every third of
 it): how long a dead worker's share of a limit stays unused."""
-IDLE = 2.0
-"""Seconds a worker keeps lanes and slots it has no due task for before giving them back."""
+IDLE = LEASE
+"""Seconds a worker keeps lanes and slots it has no task for before giving them back.
+Nobody else takes a live worker's lanes, so keeping them costs only renewals; giving
+them back stops those for gates that went quiet (one per ``limit_by`` value)."""
 MARGIN = 0.02
 """Seconds past a lane's next start, read from the gate, before claiming on it: a
 worker's estimate of the server's clock may run a little ahead, and a claim that comes

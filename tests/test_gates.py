@@ -23,6 +23,7 @@ from taskrunner.gates import (
     Limit,
     Permit,
     Rate,
+    dealt,
     gate_id,
     parse_rate,
 )
@@ -167,18 +168,19 @@ async def test_max_running_holds_a_slot_per_run_until_it_finishes() -> None:
 
 
 async def test_unused_lanes_go_back_after_idle_with_their_next_start() -> None:
-    """A worker with no due task for IDLE seconds gives its lanes back; another worker
-    takes them and starts no sooner than a period after the last start on each."""
-    fleet = Fleet(Limit(Rate(1, 10.0)))
+    """A worker with no task for IDLE seconds gives its lanes back; the worker they are
+    dealt to next takes them and starts no sooner than a period after the last start."""
+    fleet = Fleet(Limit(Rate(1, 100.0)))
     a, b = fleet.keeper("a"), fleet.keeper("b")
     fleet.names.remove("b")
     await fleet.start(a, 1)
     fleet.names.append("b")
     fleet.t = IDLE + 0.5
     await a.tend()
-    assert (await fleet.gate()).lanes[0].holder is None and (await fleet.gate()).lanes[0].next == at(10.0)
+    assert (await fleet.gate()).lanes[0].holder is None and (await fleet.gate()).lanes[0].next == at(100.0)
+    fleet.names[:] = ["b"]  # a stopped: the lane is dealt to b now
     ready, later = await b.admit(fleet.due(1), 1)
-    assert ready == [] and later[0][1] >= at(10.0).timestamp()
+    assert ready == [] and later[0][1] >= at(100.0).timestamp()
 
 
 async def test_renewal_keeps_the_lease_and_a_lapsed_lane_taken_by_another_is_let_go() -> None:
@@ -256,3 +258,14 @@ def test_an_unreadable_gate_starts_over_and_says_why() -> None:
     assert doc.shape == "3/0" and doc.lanes == []
     overwrite = Change.of(doc).write()
     assert overwrite is not None and overwrite.expect == {"shape": "3/0"} and overwrite.changes["lanes"] == []
+
+
+def test_lanes_are_dealt_to_exactly_one_live_worker_each_and_evenly() -> None:
+    """Every worker computes the same split from the registry: each lane goes to one
+    worker, shares differ by at most one, and gates with few lanes spread over workers."""
+    peers = [f"w{i}" for i in range(8)]
+    split = {w: dealt("call_api", 50, w, peers) for w in peers}
+    assert sorted(i for lanes in split.values() for i in lanes) == list(range(50))
+    assert {len(lanes) for lanes in split.values()} == {6, 7}
+    takers = {w for g in range(40) for w in peers if dealt(f'call_api#"{g}"', 1, w, peers)}
+    assert len(takers) >= 6
