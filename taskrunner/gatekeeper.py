@@ -35,6 +35,7 @@ from taskrunner.gates import (
     Limit,
     Permit,
     dealt,
+    dealt_to,
     gate_id,
     release,
     renew,
@@ -178,6 +179,12 @@ class GateKeeper:
         waits = self._wait_times(lease, limit, len(rest), now)
         later.extend(zip(rest, waits, strict=True))
         lease.wanted = max([now, *waits])  # its lanes are wanted until these tasks look again
+
+    def owners(self, gate: str, name: str) -> list[str] | None:
+        """The live workers that should own ``gate``'s tasks: those dealt a lane and a
+        slot of it when the limit is smaller than the fleet, else None (every worker)."""
+        limit = self.limits.get(name)
+        return dealt_to(gate, limit, self.peers(name)) if limit else None
 
     def _mine(self, gate: str, limit: Limit, name: str) -> tuple[frozenset[int], frozenset[int]]:
         """The lanes and slots dealt to this worker among the live workers of the name

@@ -283,10 +283,11 @@ class Lease:
 
     def opens_at(self, limit: Limit, waiting: int, now: datetime) -> list[float]:
         """When each of ``waiting`` tasks may find an open lane (its k-th opening, lanes
-        reused every period), or nothing when this worker's lanes cannot start them."""
+        reused every period, leases renewed meanwhile), or nothing without lanes. Waiting
+        tasks sleep until then: waking them sooner costs CPU and finds nothing."""
         if not limit.rate:
             return []
-        period, now_s, ends = limit.rate.period, now.timestamp(), self.lanes_end()
+        period, now_s = limit.rate.period, now.timestamp()
         # A lane with a claim on its way opens a period after that claim's reply at the
         # earliest, so about a period from now.
         times = sorted(
@@ -294,14 +295,8 @@ class Lease:
         )
         out: list[float] = []
         for k in range(waiting if times else 0):
-            at = times[k % len(times)] + period * (k // len(times))
-            if at >= ends:
-                break
-            out.append(at)
+            out.append(times[k % len(times)] + period * (k // len(times)))
         return out
-
-    def lanes_end(self) -> float:
-        return min((h.until.timestamp() for h in self.lanes.values()), default=0.0)
 
     def used(
         self, permit: Permit, started: datetime | None, period: float, run: str | None, now: float
@@ -474,7 +469,21 @@ def dealt(gate: str, size: int, worker: str, peers: list[str]) -> frozenset[int]
     (itself included): round-robin over the sorted peers from a start that depends on the
     gate, so shares differ by at most one, gates with few lanes do not all go to the same
     worker, and every worker computes the same split without talking to the others."""
-    order = sorted(set(peers) | {worker})
-    start = int.from_bytes(hashlib.blake2b(gate.encode(), digest_size=4).digest(), "big")
-    me = order.index(worker)
-    return frozenset(i for i in range(size) if (start + i) % len(order) == me)
+    order = _dealing_order(gate, [*peers, worker])
+    return frozenset(i for i in range(size) if order[i % len(order)] == worker)
+
+
+def dealt_to(gate: str, limit: Limit, peers: list[str]) -> list[str] | None:
+    """The workers dealt both a lane and a slot of ``gate`` (what a start needs), when
+    the limit is smaller than the fleet; None when every worker gets some. Only they
+    should own the gate's tasks: the others could never start them."""
+    sizes = [size for size in (limit.rate.limit if limit.rate else None, limit.max_running) if size]
+    order = _dealing_order(gate, peers)
+    return order[: min(sizes)] if sizes and min(sizes) < len(order) else None
+
+
+def _dealing_order(gate: str, peers: list[str]) -> list[str]:
+    """The sorted workers, rotated to start at a place that depends on the gate."""
+    order = sorted(set(peers))
+    start = int.from_bytes(hashlib.blake2b(gate.encode(), digest_size=4).digest(), "big") % len(order)
+    return order[start:] + order[:start]

@@ -259,7 +259,16 @@ class Worker:
         return sorted([self.worker_id, *(p.worker_id for p in self.peers if name in p.names)])
 
     def owns(self, task: Task) -> bool:
-        return self.rank(task) == 0
+        """Rank 0 among the live peers; for a limited name whose limit is smaller than the
+        fleet, among the workers dealt a lane and a slot of the task's gate (the others
+        could never start it)."""
+        gate = self.gates.gate_of(task.name, task.params)
+        few = self.gates.owners(gate, task.name) if gate else None
+        if few is None:
+            return self.rank(task) == 0
+        return (
+            self.worker_id in few and self._place(_token(task), [w for w in few if w != self.worker_id]) == 0
+        )
 
     async def run(self) -> None:
         if not self.names:
@@ -619,13 +628,22 @@ class Worker:
             self._peers_known.set()
             await asyncio.sleep(self.beat_interval * random.uniform(0.9, 1.1))
 
+    def _few_own(self, name: str) -> bool:
+        """Whether ``name``'s limit is smaller than the fleet, so that only some workers own
+        its tasks (``owns``): every worker then hears all its new tasks."""
+        limit = self.gates.limits.get(name)
+        sizes = [
+            s for s in (limit.rate.limit if limit and limit.rate else None, limit and limit.max_running) if s
+        ]
+        return bool(sizes) and min(sizes) < len(self._serving(name))
+
     def _owned(self) -> dict[str, list[int]] | None:
         """Per name, the buckets this worker owns among the live peers that handle it;
         names it handles alone are left out (all buckets), and None when that is every name."""
         owned: dict[str, list[int]] = {}
         for name in sorted(self.names):
             peers = tuple(sorted(p.worker_id for p in self.peers if name in p.names))
-            if not peers:
+            if not peers or self._few_own(name):
                 continue
             if peers not in self._owned_cache:
                 if len(self._owned_cache) >= 64:  # peers churned: keep only what is current
