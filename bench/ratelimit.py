@@ -7,7 +7,7 @@ From the task documents (server times) it reports the most starts any window of 
 rate's period holds (the promise: never more than the limit), the achieved rate while
 the backlog lasts (starts / (last - first + period)), the most runs at once under
 max_running (never more than M), and server commands per task of each run (every
-command of every worker, from start to stop).
+command of every worker, from start to stop), in all and per job.
 
     uv run python bench/ratelimit.py [--workers 8] [--tasks 2000] [--rate 50/s]
                                      [--max-running 3] [--hog] [--smoke] [--results PATH]
@@ -87,6 +87,10 @@ def most_at_once(tasks: list[Task]) -> int:
     return best
 
 
+def _per_task(jobs: dict[str, int], tasks: int) -> dict[str, float]:
+    return {job: round(count / tasks, 3) for job, count in sorted(jobs.items())}
+
+
 async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any]:
     rate = parse_rate(args.rate)
     with cpu_hog(args.hog):
@@ -119,6 +123,14 @@ async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any
         "most_running_at_once_unlimited": most_at_once(held_free["tasks"]),
         "commands_per_task_capped": round(capped_per_task, 2),
         "commands_per_task_uncapped": round(held_per_task, 2),
+        # Per job (claim, run_writes, gates scale with tasks; registry, limits, clock and
+        # discovery's waits with time and workers), to tell the limit's cost from a longer run.
+        "jobs_per_task": {
+            "limited": _per_task(limited["jobs"], args.tasks),
+            "unlimited": _per_task(free["jobs"], args.tasks),
+            "capped": _per_task(capped["jobs"], args.held_tasks),
+            "uncapped": _per_task(held_free["jobs"], args.held_tasks),
+        },
         "seconds": {
             "limited": limited["seconds"],
             "unlimited": free["seconds"],
