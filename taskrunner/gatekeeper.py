@@ -120,21 +120,21 @@ class GateKeeper:
         return changed
 
     def spare(self, gate: str) -> bool:
-        """Whether this worker could start a task of ``gate`` soon: a lane of its own is
-        open now (a slot of its own, for a gate without a rate), or it holds none and
-        asking may give some. Only then does it take on other workers' backlog of the
-        gate (stealing a task its owner has a lane for only makes one claim miss)."""
+        """Whether this worker could start a task of ``gate`` now and has none of its own
+        waiting, or holds nothing of it and asking may give some. Only then does it take
+        on other workers' backlog of the gate (stealing a task its owner has a lane or
+        slot for only makes one of their claims miss)."""
         lease, limit = self._leases.get(gate), self.limits.get(self.name_of(gate))
         if lease is None or not limit:
             return True
         if not lease:
             return not lease.starved
-        if not limit.rate:  # a slot of its own frees within a run: worth queueing for
-            return bool(lease.slots)
-        # Open lanes, and no task of its own asked for one for a period: its own backlog
-        # of the gate is done (a worker between two bursts of its own would collide).
+        # Open now, and no task of its own asked for a lane or slot for a while: its own
+        # backlog of the gate is done (a worker between two runs of its own would collide
+        # with the owner of what it steals).
         now = self.now()
-        return lease.open(limit, _utc(now)) and now - lease.wanted > limit.rate.period
+        quiet = limit.rate.period if limit.rate else ASK_AGAIN
+        return lease.open(limit, _utc(now)) and now - lease.wanted > quiet
 
     # -- permits ---------------------------------------------------------------------------------
     async def admit(
