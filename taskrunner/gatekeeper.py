@@ -20,6 +20,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from contextlib import suppress
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -174,6 +175,8 @@ class GateKeeper:
         if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name):
             await self._ask(gate, name, lease, limit, waiting)  # raises StoreError only when the server does
             permits += lease.permits(gate, limit, waiting, at)
+        if throttled is not None:  # ended by this worker's clock: the server checks it too
+            permits = [replace(p, start=max(p.start, _utc(throttled))) for p in permits]
         ready.extend(zip(entries, permits, strict=False))
         rest = entries[len(permits) :]
         waits = self._wait_times(lease, limit, len(rest), now)
@@ -233,7 +236,9 @@ class GateKeeper:
     async def throttle(self, gate: str, name: str, seconds: float) -> None:
         """``RateLimited`` for a ``limit_by`` value: no worker starts a task of ``gate`` for
         ``seconds`` (the name's limits document lists it; this worker stops at once)."""
-        self._throttles[gate] = self.now() + seconds
+        # The stored end is the server's now plus ``seconds``; this worker's estimate of
+        # that now may lag a little, so it holds back a little longer until it reads it.
+        self._throttles[gate] = self.now() + seconds + 0.25
         await self.store.throttle(name, seconds, gate=gate)
 
     # -- the gate documents ----------------------------------------------------------------------
