@@ -38,6 +38,7 @@ from taskrunner.gates import (
     dealt,
     dealt_to,
     gate_id,
+    lease_end,
     release,
     renew,
     resize,
@@ -272,9 +273,7 @@ class GateKeeper:
         def extending(change: Change, now: datetime) -> None:
             probe = Lease(dict(lease.lanes), dict(lease.slots))
             renew(change, probe, self.worker_id, now)
-            until = change.work.lanes[min(probe.lanes)].until if probe.lanes else None
-            until = until or (change.work.running[min(probe.slots)].until if probe.slots else None)
-            kept[:] = [(set(probe.lanes), set(probe.slots), until or now)]
+            kept[:] = [(set(probe.lanes), set(probe.slots), lease_end(now))]
 
         if not await self._write(gate, name, extending):
             return

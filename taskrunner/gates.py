@@ -119,19 +119,24 @@ def gate_id(name: str, limit_by: str | None, params: Any) -> str:
     return f"{name}#{json.dumps(value, sort_keys=True, default=str)}"
 
 
-class Lane(BaseModel):
-    """``holder`` may start tasks on it until ``until``; a free lane opens at ``next``."""
+class _Leased(BaseModel):
+    """A lane or slot: ``holder`` has it until ``until`` unless it renews."""
 
     model_config = ConfigDict(extra="ignore")
 
     holder: str | None = None
     until: UtcDatetime | None = None
-    next: UtcDatetime = EPOCH
     freed: UtcDatetime = EPOCH
     """When it was last given back (or made)."""
 
     def free(self, now: datetime) -> bool:
         return self.holder is None or self.until is None or self.until <= now
+
+
+class Lane(_Leased):
+    """``holder`` may start tasks on it until ``until``; a free lane opens at ``next``."""
+
+    next: UtcDatetime = EPOCH
 
     def opens(self, period: float) -> datetime:
         """When a new holder may start on it: after its last start, and after anything a
@@ -141,17 +146,8 @@ class Lane(BaseModel):
         return max(self.next, self.until + timedelta(seconds=period))
 
 
-class Slot(BaseModel):
+class Slot(_Leased):
     """A running slot: ``holder`` runs one task at a time on it until ``until``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    holder: str | None = None
-    until: UtcDatetime | None = None
-    freed: UtcDatetime = EPOCH
-
-    def free(self, now: datetime) -> bool:
-        return self.holder is None or self.until is None or self.until <= now
 
 
 class GateDoc(BaseModel):
@@ -249,8 +245,7 @@ class Lease:
     def permits(self, gate: str, limit: Limit, want: int, now: datetime) -> list[Permit]:
         """Up to ``want`` permits open at ``now``: a lane whose next start has come (when
         the gate has a rate) and a free slot (when it has max_running), each used once."""
-        lanes = self._open_lanes(limit, now)
-        slots = [j for j, s in self.slots.items() if s.run is None and s.permit is None and s.until > now]
+        lanes, slots = self._open_lanes(limit, now), self._free_slots(now)
         permits: list[Permit] = []
         while len(permits) < want:
             if (limit.rate and not lanes) or (limit.max_running and not slots):
@@ -271,8 +266,11 @@ class Lease:
 
     def open(self, limit: Limit, now: datetime) -> bool:
         """Whether a permit could start now."""
-        free_slot = any(s.run is None and s.permit is None and s.until > now for s in self.slots.values())
-        return (not limit.rate or bool(self._open_lanes(limit, now))) and (not limit.max_running or free_slot)
+        lanes_ok = not limit.rate or bool(self._open_lanes(limit, now))
+        return lanes_ok and (not limit.max_running or bool(self._free_slots(now)))
+
+    def _free_slots(self, now: datetime) -> list[int]:
+        return [j for j, s in self.slots.items() if s.run is None and s.permit is None and s.until > now]
 
     def _open_lanes(self, limit: Limit, now: datetime) -> list[int]:
         if not limit.rate:

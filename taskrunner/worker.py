@@ -41,7 +41,7 @@ from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
 from taskrunner.execution import Execution
 from taskrunner.fields import BUCKETS
 from taskrunner.gatekeeper import GateKeeper
-from taskrunner.gates import Limit, Permit
+from taskrunner.gates import Limit, Permit, dealt_to
 from taskrunner.heartbeat import Heartbeat
 from taskrunner.limits import LimitWatch
 from taskrunner.models import Task, TaskState, WorkerInfo
@@ -201,7 +201,7 @@ class Worker:
         # slot of the gate open right now takes it on.
         gate = self.gates.gate_of(task.name, task.params)
         stealable = task.state is TaskState.RUNNING or not gate or self.gates.spare(gate)
-        if mine or self.owns(task) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
+        if mine or self.owns(task, gate) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
@@ -258,11 +258,11 @@ class Worker:
         """Ids of the live workers that handle ``name``, this one included, sorted."""
         return sorted([self.worker_id, *(p.worker_id for p in self.peers if name in p.names)])
 
-    def owns(self, task: Task) -> bool:
+    def owns(self, task: Task, gate: str | None = None) -> bool:
         """Rank 0 among the live peers; for a limited name whose limit is smaller than the
         fleet, among the workers dealt a lane and a slot of the task's gate (the others
-        could never start it)."""
-        gate = self.gates.gate_of(task.name, task.params)
+        could never start it). ``gate``: the task's, when the caller has it already."""
+        gate = self.gates.gate_of(task.name, task.params) if gate is None else gate
         few = self.gates.owners(gate, task.name) if gate else None
         if few is None:
             return self.rank(task) == 0
@@ -632,10 +632,7 @@ class Worker:
         """Whether ``name``'s limit is smaller than the fleet, so that only some workers own
         its tasks (``owns``): every worker then hears all its new tasks."""
         limit = self.gates.limits.get(name)
-        sizes = [
-            s for s in (limit.rate.limit if limit and limit.rate else None, limit and limit.max_running) if s
-        ]
-        return bool(sizes) and min(sizes) < len(self._serving(name))
+        return limit is not None and dealt_to(name, limit, self._serving(name)) is not None
 
     def _owned(self) -> dict[str, list[int]] | None:
         """Per name, the buckets this worker owns among the live peers that handle it;
