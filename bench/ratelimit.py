@@ -91,6 +91,10 @@ def _per_task(jobs: dict[str, int], tasks: int) -> dict[str, float]:
     return {job: round(count / tasks, 3) for job, count in sorted(jobs.items())}
 
 
+def _task_bound(jobs: dict[str, int]) -> int:
+    return sum(jobs.get(job, 0) for job in ("claim", "run_writes", "gates"))
+
+
 async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any]:
     rate = parse_rate(args.rate)
     with cpu_hog(args.hog):
@@ -117,6 +121,9 @@ async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any
         "commands_per_task_unlimited": round(free_per_task, 2),
         "commands_ratio": round(per_task / free_per_task, 3),
         "gate_commands_per_task": round(limited["jobs"].get("gates", 0) / args.tasks, 3),
+        # Commands that scale with tasks (claims, outcome writes, gate writes, renewals
+        # included), free of the heartbeats and waits a longer run adds.
+        "task_commands_ratio": round(_task_bound(limited["jobs"]) / _task_bound(free["jobs"]), 3),
         "gate_counts": limited["gates"],
         "max_running": args.max_running,
         "most_running_at_once": most_at_once(capped["tasks"]),
