@@ -26,9 +26,9 @@ from taskrunner.errors import (
     WaitTimeout,
 )
 from taskrunner.gates import Limit, check_max_running, parse_rate
+from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
-from taskrunner.registry import Registration, Registry, plain_params
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class TaskRunner:
     ) -> None:
         self.mongo_uri = mongo_uri or os.environ.get("TASKRUNNER_MONGO_URI", DEFAULT_URI)
         self.database, self.collection, self.timeout = database, collection, timeout
-        self.registry = Registry()
+        self.handlers = Handlers()
         self.schedules: dict[str, Schedule] = {}
         """Schedules declared with ``schedule``, by id; workers store and fire them."""
         self._store = store
@@ -96,7 +96,7 @@ class TaskRunner:
 
         def register(handler: H) -> H:
             _check_option_names(options)
-            self.registry.add(name or handler.__name__, handler, options, limit)
+            self.handlers.add(name or handler.__name__, handler, options, limit)
             return handler
 
         return register
@@ -232,8 +232,8 @@ class TaskRunner:
         name = spec.get("name")
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
-        registration = self.registry.find(name)
-        known = self.registry.names()
+        registration = self.handlers.find(name)
+        known = self.handlers.names()
         if registration is None and known and not allow_unknown:
             raise UnknownTaskName(name, known)
         params = (
@@ -369,7 +369,7 @@ class TaskRunner:
         """``name``'s limits in force (as a worker of this app applies them) and its
         stored limits document (None when there is none)."""
         _limit_name(name)
-        code = self.registry.get(name).limit if name in self.registry.names() else Limit()
+        code = self.handlers.get(name).limit if name in self.handlers.names() else Limit()
         state = (await self.store.limits([name])).get(name)
         if isinstance(state, str):
             raise InvalidTask(f"limits.{name}", f"the stored document is unreadable: {state}")
@@ -384,7 +384,7 @@ class TaskRunner:
         return [n for n, s in stored.items() if isinstance(s, LimitState) and s.paused]
 
     async def workers(self) -> list[WorkerInfo]:
-        """Live workers from the registry (dead ones age out after their last beat)."""
+        """Live workers from the worker registry (dead ones age out after their last beat)."""
         return await self.store.workers()
 
     async def stop_worker(self, worker_id: str) -> bool:
@@ -429,7 +429,7 @@ class TaskRunner:
             store=store,
             timeout=timeout or self.timeout,
         )
-        twin.registry, twin.schedules = self.registry, self.schedules
+        twin.handlers, twin.schedules = self.handlers, self.schedules
         return twin
 
     async def run_worker(

@@ -2,7 +2,7 @@
 
 PyMongo's async client belongs to one event loop, so the facade runs a private
 loop in a daemon thread and forwards each call to it, with the same semantics
-and the same handler registry as the ``TaskRunner`` it was made from.
+and the same handlers as the ``TaskRunner`` it was made from.
 """
 
 from __future__ import annotations

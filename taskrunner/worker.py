@@ -132,10 +132,10 @@ class Worker:
         instead of following a change stream (which it also does when the server has none)."""
         if concurrency < 1:
             raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
-        self.runner, self.store, self.registry = runner, runner.store, runner.registry
+        self.runner, self.store, self.handlers = runner, runner.store, runner.handlers
         self.worker_id = worker_id or default_worker_id()
         self.concurrency, self.shutdown_timeout = concurrency, shutdown_timeout
-        self.names = frozenset(runner.registry.names())
+        self.names = frozenset(runner.handlers.names())
         self.queue = ClaimQueue(queue_capacity)
         self.poll_interval = poll_interval
         self.discovery = Discovery(self.store, sorted(self.names), consider=self.consider, sweep_at=self.sweep_at,
@@ -153,7 +153,7 @@ class Worker:
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
-        self.declared = {name: runner.registry.get(name).limit for name in self.names}
+        self.declared = {name: runner.handlers.get(name).limit for name in self.names}
         self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now,
                                  declared=self.declared, on_limits=self._limits_changed)  # fmt: skip
         self.gates = GateKeeper(self.store, self.worker_id, self.clock.now, self.limits.limits,
@@ -539,7 +539,7 @@ class Worker:
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
-            claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor,
+            claim, store=self.store, handlers=self.handlers, worker_id=self.worker_id, executor=self._executor,
             observer=self.observer, writes=self.writes, heartbeat=self.heartbeat, throttle=self._throttle,
         )  # fmt: skip
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")

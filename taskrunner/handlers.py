@@ -64,7 +64,9 @@ def params_model_of(handler: Handler) -> type[BaseModel] | None:
     return hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
 
 
-class Registry:
+class Handlers:
+    """A runner's handlers by task name (``runner.handlers``)."""
+
     def __init__(self) -> None:
         self._by_name: dict[str, Registration] = {}
 
