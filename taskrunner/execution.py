@@ -241,8 +241,16 @@ class Execution:
     # -- lease --------------------------------------------------------------------------------
     def _lease(self) -> Lease:
         options = self.task.options
-        return Lease(self.key, self.run_id, options.ping_interval, options.ping_timeout, self._lease_ended,
-                     take_progress=self._take_progress, give_back=self._give_back, confirmed=self.started)  # fmt: skip
+        return Lease(
+            self.key,
+            self.run_id,
+            options.ping_interval,
+            options.ping_timeout,
+            self._lease_ended,
+            take_progress=self._take_progress,
+            give_back=self._give_back,
+            confirmed=self.started,
+        )
 
     def _take_progress(self) -> Any:
         return self.ctx.take_progress() if self.ctx else None
