@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+import taskrunner
 from taskrunner import (
     InvalidParams,
     InvalidTask,
@@ -196,3 +198,8 @@ def test_sync_facade_tasks_wait_from_any_event_loop(runner: TaskRunner) -> None:
         sync.cancel("s")
         assert asyncio.run(task.wait(timeout=5)).state is TaskState.CANCELED
         assert sync.wait("s", timeout=5).state is TaskState.CANCELED
+
+
+def test_the_package_ships_its_type_information() -> None:
+    """taskrunner/py.typed exists, so type checkers read the package's annotations (PEP 561)."""
+    assert (Path(taskrunner.__file__).parent / "py.typed").is_file()
