@@ -468,9 +468,9 @@ class TaskRunner:
         with ``drain=True``, until nothing runs and nothing is claimable now.
 
         ``options`` configures it (``WorkerOptions``); ``fields`` override single options,
-        as in ``run_worker(concurrency=4)``. Cancellation shuts down gracefully: running
-        handlers get ``shutdown_timeout`` seconds, then are cancelled and their claims
-        released.
+        as in ``run_worker(concurrency=4)``; ``observer`` receives its events (metrics).
+        Cancellation shuts down gracefully: running handlers get ``shutdown_timeout``
+        seconds, then are cancelled and their claims released.
         """
         from taskrunner.worker import Worker
 

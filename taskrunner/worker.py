@@ -419,15 +419,21 @@ class Worker:
             await asyncio.sleep(self._claims.failed(exc))
             return False
         self._claims.ok()
-        ready = [t for t in page.tasks if (at := rules.next_claim(t, self.worker_id)) and at <= horizon]
+        ready = [task for task in page.tasks if self._claimable_by(task, horizon)]
         for task in ready:
-            if not self.consider(task):
+            # Queued already (e.g. waiting for its gate's permit): left where it waits.
+            if task.key not in self.queue and not self.consider(task):
                 self.consider(task, steal=True)
         unseen = {bad.key or bad.problem for bad in page.unreadable} - self._drain_seen
         if unseen:
             self._drain_seen |= unseen
             self.keyless()
         return not ready and not unseen
+
+    def _claimable_by(self, task: Task, now: datetime) -> bool:
+        """Whether this worker may claim ``task`` by ``now``, by its own constraints too."""
+        at = rules.next_claim(task, self.worker_id)
+        return at is not None and at <= now
 
     async def _claim(self, due: list[Due]) -> list[Claim]:
         # By key, the best due entry: the server then touches one document through the

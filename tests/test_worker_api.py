@@ -31,7 +31,7 @@ class Job(BaseModel):
 
 @pytest.fixture(params=["memory", pytest.param("mongo", marks=pytest.mark.mongo)])
 async def app(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A runner with ``job`` and ``flaky`` handlers on the memory store or a MongoDB server."""
+    """A runner with the handlers below on the memory store or a MongoDB server."""
     memory = request.param == "memory"
     uri = None if memory else request.getfixturevalue("mongo_uri")
     runner = TaskRunner(uri, collection=collection_name, store=MemoryStore() if memory else None)
@@ -51,6 +51,10 @@ def register(runner: TaskRunner) -> None:
                 "job", Job(n=params.n + 1, follow_ups=params.follow_ups - 1), key=f"chain{params.n + 1}"
             )
         return {"n": params.n}
+
+    @runner.task("limited", max_running=1)
+    async def limited(params: Job, ctx: TaskContext) -> None:
+        await asyncio.sleep(0.01)
 
     @runner.task("flaky", retry_backoff=0)
     async def flaky(params: Job, ctx: TaskContext) -> None:
@@ -89,6 +93,13 @@ async def test_drain_leaves_tasks_due_later_pending(app: TaskRunner) -> None:
     await app.publish("job", key="later", delay=3600)
     await drain(app)
     assert await states(app) == {"now": TaskState.SUCCESS, "later": TaskState.PENDING}
+
+
+async def test_drain_waits_for_tasks_a_fleet_wide_limit_holds_back(app: TaskRunner) -> None:
+    """Tasks of a max_running=1 name are claimable but start one at a time: the drain runs all."""
+    await app.publish_many([{"name": "limited", "key": f"l{i}"} for i in range(4)])
+    await drain(app, concurrency=4)
+    assert await states(app) == {f"l{i}": TaskState.SUCCESS for i in range(4)}
 
 
 async def test_drain_runs_retries_that_are_claimable_at_once(app: TaskRunner) -> None:
