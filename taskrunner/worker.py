@@ -392,18 +392,23 @@ class Worker:
             due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
-            recheck = None
-            if self.drain and not self.runs:
-                if await self._drained():
-                    self.log.info("drained: nothing runs here and nothing is claimable now")
-                    self.stop()
-                    return []
-                now, recheck = self.clock.now(), self.clock.now() + DRAIN_RECHECK
+            recheck = await self._check_drained() if self.drain and not self.runs else None
+            if self._stop.is_set():
+                return []
+            now = self.clock.now()
             times = [t for t in (self.queue.next_at(), self._sweep_due, recheck) if t is not None]
             wait = max(0.0, min(times) - now) if times else None
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.queue.changed.wait(), wait)
         return []
+
+    async def _check_drained(self) -> float:
+        """Drain mode with nothing running: stop once nothing is claimable now; returns
+        when to check again (tasks claimable now may wait for their grace or permit)."""
+        if await self._drained():
+            self.log.info("drained: nothing runs here and nothing is claimable now")
+            self.stop()
+        return self.clock.now() + DRAIN_RECHECK
 
     async def _drained(self) -> bool:
         """Drain mode, nothing running here: whether no task is claimable by this worker now.
