@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import pickle
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -203,3 +205,17 @@ def test_sync_facade_tasks_wait_from_any_event_loop(runner: TaskRunner) -> None:
 def test_the_package_ships_its_type_information() -> None:
     """taskrunner/py.typed exists, so type checkers read the package's annotations (PEP 561)."""
     assert (Path(taskrunner.__file__).parent / "py.typed").is_file()
+
+
+async def test_the_runner_a_task_waits_with_is_no_part_of_its_value(runner: TaskRunner) -> None:
+    """A task bound to a runner equals the same task read directly; a deep copy keeps
+    the runner, and pickling (a runner holds a connection) gives an unbound equal task."""
+    await runner.publish("resize", {"width": 1}, key="v")
+    bound, raw = await runner.get("v"), await runner.store.get("v")
+    assert bound == raw
+    await runner.cancel("v")
+    assert (await copy.deepcopy(bound).wait(timeout=5)).state is TaskState.CANCELED
+    unpickled = pickle.loads(pickle.dumps(bound))
+    assert unpickled == bound
+    with pytest.raises(RuntimeError, match="not returned by a TaskRunner"):
+        await unpickled.wait()
