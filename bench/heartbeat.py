@@ -28,10 +28,11 @@ from typing import Any
 from common import add_common_args, emit, int_list
 from pymongo import monitoring
 
-from taskrunner import MongoStore, TaskContext, TaskRunner, TaskState
+from taskrunner import TaskContext, TaskRunner, TaskState
 from taskrunner.embedded import EmbeddedServer
 from taskrunner.logs import configure_logging
 from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.store.mongo import MongoStore
 from taskrunner.worker import Worker
 
 COLLECTION = "heartbeat"

@@ -27,11 +27,12 @@ from typing import Any
 from common import add_common_args, emit, int_list
 from pymongo import AsyncMongoClient
 
-from taskrunner import MongoStore, TaskContext, TaskRunner
+from taskrunner import TaskContext, TaskRunner
 from taskrunner.embedded import EmbeddedServer
 from taskrunner.logs import configure_logging
 from taskrunner.models import TaskState
 from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.store.mongo import MongoStore
 from taskrunner.worker import Worker
 
 COLLECTION = "roundtrips"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # before the imports: the worker reads it while the package loads
+
 from taskrunner.context import TaskContext
 from taskrunner.errors import (
-    ChangeHistoryLost,
-    ChangeStreamsUnsupported,
-    ClaimLost,
     ConfigurationError,
     Fail,
     InvalidParams,
@@ -21,11 +20,11 @@ from taskrunner.errors import (
     StoreUnavailable,
     TaskNotFound,
     TaskRunnerError,
-    UnknownHandler,
     UnknownTaskName,
     WaitTimeout,
     WriteRejected,
 )
+from taskrunner.gates import Limit
 from taskrunner.limits import LimitState
 from taskrunner.models import (
     EntryState,
@@ -40,19 +39,18 @@ from taskrunner.models import (
 )
 from taskrunner.runner import TaskRunner
 from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
-from taskrunner.store.base import ChangeEvent, Claim, Store
 from taskrunner.store.memory import MemoryStore
-from taskrunner.store.mongo import MongoStore
 from taskrunner.sync import SyncTaskRunner
+from taskrunner.worker import Worker
+from taskrunner.worker_options import WorkerOptions
 
-__version__ = "0.1.0"
-
+# The public API is what a user's code names: what it builds or calls (runners, the
+# worker and its options, the memory store for tests), what handlers raise (Fail, Retry,
+# RateLimited), what callers catch (the errors public methods document), and the types
+# of the values public methods return or hand to handlers, so code can annotate them.
+# Engine internals (the store protocol and MongoStore, claims, change events, errors the
+# worker handles itself) stay importable from their modules, outside this promise.
 __all__ = [
-    "ChangeEvent",
-    "ChangeHistoryLost",
-    "ChangeStreamsUnsupported",
-    "Claim",
-    "ClaimLost",
     "ConfigurationError",
     "EntryState",
     "Fail",
@@ -60,10 +58,10 @@ __all__ = [
     "InvalidSchedule",
     "InvalidState",
     "InvalidTask",
+    "Limit",
     "LimitState",
     "MalformedTask",
     "MemoryStore",
-    "MongoStore",
     "NewTask",
     "RateLimited",
     "Retry",
@@ -71,7 +69,6 @@ __all__ = [
     "ScheduleNotFound",
     "ScheduleState",
     "ScheduleView",
-    "Store",
     "StoreError",
     "StoreUnavailable",
     "SyncTaskRunner",
@@ -84,10 +81,11 @@ __all__ = [
     "TaskRunnerError",
     "TaskState",
     "TaskStats",
-    "UnknownHandler",
     "UnknownTaskName",
     "WaitTimeout",
+    "Worker",
     "WorkerEntry",
     "WorkerInfo",
+    "WorkerOptions",
     "WriteRejected",
 ]

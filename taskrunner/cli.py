@@ -816,7 +816,7 @@ def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserve
         from taskrunner.metrics import PrometheusObserver, serve_metrics
     except ImportError as exc:
         fail(f"--metrics-port: {exc}")
-    observer = PrometheusObserver(tasks=runner.registry.names())
+    observer = PrometheusObserver(tasks=runner.handlers.names())
     try:
         server, _ = serve_metrics(port, host=host)
     except OSError as exc:

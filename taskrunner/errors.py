@@ -64,12 +64,16 @@ class InvalidSchedule(InvalidTask):
 
 
 class ScheduleNotFound(TaskRunnerError, LookupError):
+    """No stored schedule has that id; ``schedule_id`` names it."""
+
     def __init__(self, schedule_id: str) -> None:
         self.schedule_id = schedule_id
         super().__init__(f"no schedule with id {schedule_id!r}")
 
 
 class TaskNotFound(TaskRunnerError, LookupError):
+    """No task has that key; ``key`` names it."""
+
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"no task with key {key!r}")

@@ -36,11 +36,11 @@ from taskrunner.errors import (
     TaskRunnerError,
     UnknownHandler,
 )
+from taskrunner.handlers import Handlers, Registration
 from taskrunner.heartbeat import Heartbeat, Lease
 from taskrunner.models import Task, TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
-from taskrunner.registry import Registration, Registry
 from taskrunner.retries import delay as retry_delay
 from taskrunner.rules import RunStatus
 from taskrunner.store.base import Claim, Failure, RunWrite, RunWriteKind, Store
@@ -110,7 +110,7 @@ class Execution:
         claim: Claim,
         *,
         store: Store,
-        registry: Registry,
+        handlers: Handlers,
         worker_id: str,
         executor: Executor | None = None,
         observer: WorkerObserver | None = None,
@@ -126,7 +126,7 @@ class Execution:
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
         self.heartbeat = Heartbeat(self.writes, worker_id) if heartbeat is None else heartbeat
-        self.claim, self.store, self.registry = claim, store, registry
+        self.claim, self.store, self.handlers = claim, store, handlers
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
         self.log = structlog.get_logger("taskrunner.run").bind(
@@ -167,7 +167,7 @@ class Execution:
         await self._conclude()
 
     def _prepare(self) -> tuple[Registration, Any]:
-        registration = self.registry.get(self.task.name)
+        registration = self.handlers.get(self.task.name)
         return registration, registration.parse(self.task.params)
 
     async def _conclude(self) -> None:
@@ -241,8 +241,16 @@ class Execution:
     # -- lease --------------------------------------------------------------------------------
     def _lease(self) -> Lease:
         options = self.task.options
-        return Lease(self.key, self.run_id, options.ping_interval, options.ping_timeout, self._lease_ended,
-                     take_progress=self._take_progress, give_back=self._give_back, confirmed=self.started)  # fmt: skip
+        return Lease(
+            self.key,
+            self.run_id,
+            options.ping_interval,
+            options.ping_timeout,
+            self._lease_ended,
+            take_progress=self._take_progress,
+            give_back=self._give_back,
+            confirmed=self.started,
+        )
 
     def _take_progress(self) -> Any:
         return self.ctx.take_progress() if self.ctx else None

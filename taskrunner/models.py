@@ -10,7 +10,7 @@ import enum
 import math
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Protocol, Self
 
 import bson
 from pydantic import (
@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -266,6 +267,34 @@ def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] 
     return cls(path or "task", err["msg"])
 
 
+class Waiter(Protocol):
+    """What ``Task.wait`` waits with: the ``TaskRunner`` (or sync facade) that returned it."""
+
+    async def wait(self, key: str, timeout: float | None = None) -> Task: ...  # noqa: ASYNC109
+
+
+class _Binding:
+    """The runner a task waits with. No part of the task's value: equal whatever it holds,
+    shared by copies, and dropped by pickling (a runner holds a connection)."""
+
+    __slots__ = ("waiter",)
+
+    def __init__(self, waiter: Waiter | None = None) -> None:
+        self.waiter = waiter
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Binding)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Binding:
+        return self
+
+    def __reduce__(self) -> tuple[type[_Binding], tuple[()]]:
+        return _Binding, ()
+
+
 class Task(BaseModel):
     """A stored task, read back from its document."""
 
@@ -293,6 +322,25 @@ class Task(BaseModel):
     """Which worker's stream hears the insert (``fields.BUCKETS``); None when missing or out of range."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
+    _binding: _Binding = PrivateAttr(default_factory=_Binding)
+
+    async def wait(self, timeout: float | None = None) -> Task:  # noqa: ASYNC109
+        """Wait until this task is SUCCESS, FAIL or CANCELED and return it as stored then,
+        as ``runner.wait(task.key, timeout)`` does: raises ``WaitTimeout`` after ``timeout``
+        seconds. Works on tasks a ``TaskRunner`` or ``SyncTaskRunner`` returned."""
+        waiter = self._binding.waiter
+        if waiter is None:
+            raise RuntimeError(
+                f"task {self.key!r} was not returned by a TaskRunner (it was built or read "
+                "directly), so it knows no runner to wait with: use runner.wait(task.key)"
+            )
+        return await waiter.wait(self.key, timeout)
+
+    def bound(self, waiter: Waiter) -> Task:
+        """A copy whose ``wait`` waits with ``waiter`` (runners bind the tasks they return)."""
+        copy = self.model_copy()
+        copy._binding = _Binding(waiter)
+        return copy
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:

@@ -26,12 +26,14 @@ from taskrunner.errors import (
     WaitTimeout,
 )
 from taskrunner.gates import Limit, check_max_running, parse_rate
+from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
-from taskrunner.registry import Registration, Registry, plain_params
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
+from taskrunner.worker_options import WorkerOptions
 
 if TYPE_CHECKING:
+    from taskrunner.observe import WorkerObserver
     from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
@@ -60,7 +62,7 @@ class TaskRunner:
     ) -> None:
         self.mongo_uri = mongo_uri or os.environ.get("TASKRUNNER_MONGO_URI", DEFAULT_URI)
         self.database, self.collection, self.timeout = database, collection, timeout
-        self.registry = Registry()
+        self.handlers = Handlers()
         self.schedules: dict[str, Schedule] = {}
         """Schedules declared with ``schedule``, by id; workers store and fire them."""
         self._store = store
@@ -96,7 +98,7 @@ class TaskRunner:
 
         def register(handler: H) -> H:
             _check_option_names(options)
-            self.registry.add(name or handler.__name__, handler, options, limit)
+            self.handlers.add(name or handler.__name__, handler, options, limit)
             return handler
 
         return register
@@ -126,9 +128,20 @@ class TaskRunner:
             {"name": name, "params": params, "priority": priority, "key": "probe", **options},
             allow_unknown=allow_unknown,
         )
-        schedule = declare(name=name, schedule_id=id, cron=cron, every=every, timezone=timezone,
-                           params=probe.params, priority=priority, options=options, catch_up=catch_up,
-                           max_catch_up=max_catch_up, jitter=jitter, grace=grace)  # fmt: skip
+        schedule = declare(
+            name=name,
+            schedule_id=id,
+            cron=cron,
+            every=every,
+            timezone=timezone,
+            params=probe.params,
+            priority=priority,
+            options=options,
+            catch_up=catch_up,
+            max_catch_up=max_catch_up,
+            jitter=jitter,
+            grace=grace,
+        )
         self.schedules[schedule.id] = schedule
         return schedule
 
@@ -154,14 +167,17 @@ class TaskRunner:
         if state.last_key is not None:
             with suppress(TaskNotFound):
                 last = await self.get(state.last_key)
-        return ScheduleView(id=schedule_id, schedule=state, orphaned=orphaned, last_task=last,
-                            next_at=state.recurrence.upcoming(now, upcoming))  # fmt: skip
+        next_at = state.recurrence.upcoming(now, upcoming)
+        return ScheduleView(
+            id=schedule_id, schedule=state, orphaned=orphaned, last_task=last, next_at=next_at
+        )
 
     async def pause_schedule(self, schedule_id: str) -> ScheduleState:
         """No tick fires until ``resume_schedule``; ticks in between never do."""
         return await self.store.pause_schedule(schedule_id, True)
 
     async def resume_schedule(self, schedule_id: str) -> ScheduleState:
+        """Fire the schedule's ticks again, from the next one on (missed ticks never fire)."""
         return await self.store.pause_schedule(schedule_id, False)
 
     async def trigger_schedule(self, schedule_id: str) -> Task:
@@ -173,7 +189,7 @@ class TaskRunner:
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {stored}")
         now = await self.store.server_time()
         [published] = await self.store.publish([stored.triggered(now)])
-        return published
+        return published.bound(self)
 
     async def publish(
         self,
@@ -196,14 +212,15 @@ class TaskRunner:
         with handlers refuses a name none of them has (``UnknownTaskName``) unless
         ``allow_unknown``: the task is for workers of another app.
         """
-        spec = {"name": name, "params": params, "key": key, "priority": priority,
-                "run_at": run_at, "delay": delay, **options}  # fmt: skip
+        spec = dict(
+            name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
+        )
         [task] = await self.store.publish(
             [self.new_task(spec, allow_unknown=allow_unknown)],
             update_pending=update_pending,
             republish_finished=republish_finished,
         )
-        return task
+        return task.bound(self)
 
     async def publish_many(
         self,
@@ -217,9 +234,10 @@ class TaskRunner:
         build = partial(self.new_task, allow_unknown=allow_unknown)
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
-        return await self.store.publish(
+        published = await self.store.publish(
             new, update_pending=update_pending, republish_finished=republish_finished
         )
+        return [task.bound(self) for task in published]
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""
@@ -232,8 +250,8 @@ class TaskRunner:
         name = spec.get("name")
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
-        registration = self.registry.find(name)
-        known = self.registry.names()
+        registration = self.handlers.find(name)
+        known = self.handlers.names()
         if registration is None and known and not allow_unknown:
             raise UnknownTaskName(name, known)
         params = (
@@ -244,7 +262,8 @@ class TaskRunner:
         return _build(name, params, spec, registration)
 
     async def get(self, key: str) -> Task:
-        return await self.store.get(key)
+        """The task stored under ``key``; raises ``TaskNotFound``."""
+        return (await self.store.get(key)).bound(self)
 
     # The issue's API is wait(key, timeout=...), like TaskFlow's job.wait and BullMQ's
     # waitUntilFinished; asyncio.timeout() around it works too.
@@ -261,6 +280,7 @@ class TaskRunner:
         Follows the change stream and re-reads the task every ``poll_interval`` seconds
         (the fallback when the server has no change streams). Raises ``WaitTimeout``
         after ``timeout`` seconds, and ``TaskNotFound`` for an unknown key.
+        ``await task.wait(timeout)`` on a task this runner returned does the same.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         stream = await self._watch_quietly(key)
@@ -269,10 +289,10 @@ class TaskRunner:
             while not task.state.finished:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise WaitTimeout(key, timeout or 0.0, task)
+                    raise WaitTimeout(key, timeout or 0.0, task.bound(self))
                 step = poll_interval if remaining is None else min(poll_interval, remaining)
                 task = await self._next_version(key, stream, step)
-            return task
+            return task.bound(self)
         finally:
             if stream is not None:
                 with suppress(StoreError):
@@ -300,11 +320,11 @@ class TaskRunner:
         """Cancel a task: a pending one never starts; running handlers are cancelled at
         their next ping (``CancelledError`` in the handler). Raises ``InvalidState`` for a
         task that already succeeded or failed."""
-        return await self.store.cancel(key)
+        return (await self.store.cancel(key)).bound(self)
 
     async def retry(self, key: str) -> Task:
         """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
-        return await self.store.retry(key)
+        return (await self.store.retry(key)).bound(self)
 
     async def purge(self, states: Iterable[TaskState], older_than: float, *, dry_run: bool = False) -> int:
         """Delete finished tasks in ``states`` older than ``older_than`` seconds; returns how many
@@ -323,15 +343,19 @@ class TaskRunner:
         limit: int = 100,
     ) -> list[Task]:
         """Tasks, oldest first, filtered by state, name and worker."""
-        return await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
+        found = await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
+        return [task.bound(self) for task in found]
 
     async def stats(self) -> TaskStats:
         """Counts by name and state, the last hour's runs, and the names of pending tasks
         no live worker serves (from the worker registry)."""
         numbers = await self.store.stats()
         served = {name for worker in await self.workers() for name in worker.names}
-        unserved = {name: counts[TaskState.PENDING] for name, counts in sorted(numbers.counts.items())
-                    if counts.get(TaskState.PENDING) and name not in served}  # fmt: skip
+        unserved = {
+            name: counts[TaskState.PENDING]
+            for name, counts in sorted(numbers.counts.items())
+            if counts.get(TaskState.PENDING) and name not in served
+        }
         return numbers.model_copy(update={"unserved": unserved, "paused": await self.paused()})
 
     async def pause(self, name: str) -> LimitState:
@@ -369,13 +393,13 @@ class TaskRunner:
         """``name``'s limits in force (as a worker of this app applies them) and its
         stored limits document (None when there is none)."""
         _limit_name(name)
-        code = self.registry.get(name).limit if name in self.registry.names() else Limit()
+        code = self.handlers.get(name).limit if name in self.handlers.names() else Limit()
         state = (await self.store.limits([name])).get(name)
         if isinstance(state, str):
             raise InvalidTask(f"limits.{name}", f"the stored document is unreadable: {state}")
         if state is not None and not code and state.declared:
-            code = _limit(state.declared.get(f.RATE_LIMIT), state.declared.get(f.MAX_RUNNING),
-                          state.declared.get(f.LIMIT_BY))  # fmt: skip
+            declared = state.declared
+            code = _limit(declared.get(f.RATE_LIMIT), declared.get(f.MAX_RUNNING), declared.get(f.LIMIT_BY))
         return (state.limit(code) if state is not None else code), state
 
     async def paused(self) -> list[str]:
@@ -384,7 +408,7 @@ class TaskRunner:
         return [n for n, s in stored.items() if isinstance(s, LimitState) and s.paused]
 
     async def workers(self) -> list[WorkerInfo]:
-        """Live workers from the registry (dead ones age out after their last beat)."""
+        """Live workers from the worker registry (dead ones age out after their last beat)."""
         return await self.store.workers()
 
     async def stop_worker(self, worker_id: str) -> bool:
@@ -403,6 +427,7 @@ class TaskRunner:
         await self.store.init(validator=validator, retain_finished=seconds)
 
     async def close(self) -> None:
+        """Close the store's connection, if one was opened."""
         if self._store is not None:
             await self._store.close()
 
@@ -429,27 +454,27 @@ class TaskRunner:
             store=store,
             timeout=timeout or self.timeout,
         )
-        twin.registry, twin.schedules = self.registry, self.schedules
+        twin.handlers, twin.schedules = self.handlers, self.schedules
         return twin
 
     async def run_worker(
         self,
+        options: WorkerOptions | None = None,
         *,
-        concurrency: int = 10,
-        worker_id: str | None = None,
-        shutdown_timeout: float = 0.5,
-        poll_interval: float = 5.0,
-        beat_interval: float = 2.0,
+        observer: WorkerObserver | None = None,
+        **fields: Any,
     ) -> None:
-        """Run a worker for this runner's handlers until it is cancelled or stopped.
+        """Run a worker for this runner's handlers until it is cancelled or stopped or,
+        with ``drain=True``, until nothing runs and nothing is claimable now.
 
-        Cancellation (or ``Worker.stop()``) shuts down gracefully: running handlers get
-        ``shutdown_timeout`` seconds, then are cancelled and their claims released.
+        ``options`` configures it (``WorkerOptions``); ``fields`` override single options,
+        as in ``run_worker(concurrency=4)``; ``observer`` receives its events (metrics).
+        Cancellation shuts down gracefully: running handlers get ``shutdown_timeout``
+        seconds, then are cancelled and their claims released.
         """
         from taskrunner.worker import Worker
 
-        worker = Worker(self, concurrency=concurrency, worker_id=worker_id, shutdown_timeout=shutdown_timeout,
-                        poll_interval=poll_interval, beat_interval=beat_interval)  # fmt: skip
+        worker = Worker(self, options, observer=observer, **fields)
         runner = asyncio.create_task(worker.run())
         try:
             await asyncio.shield(runner)
@@ -468,8 +493,8 @@ class TaskRunner:
 def _build(
     name: str, params: dict[str, Any], spec: Mapping[str, Any], registration: Registration | None
 ) -> NewTask:
-    options = {**(registration.options if registration else {}),
-               **{k: v for k, v in spec.items() if k in OPTION_NAMES and v is not None}}  # fmt: skip
+    given = {k: v for k, v in spec.items() if k in OPTION_NAMES and v is not None}
+    options = {**(registration.options if registration else {}), **given}
     values = {k: spec.get(k) for k in ("key", "priority", "run_at", "delay") if spec.get(k) is not None}
     values.setdefault("key", uuid.uuid4().hex)
     try:

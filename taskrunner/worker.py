@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -49,6 +49,7 @@ from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
 from taskrunner.schedules import Scheduler
 from taskrunner.store.base import Claim, Claimed, Store, Window
+from taskrunner.worker_options import WorkerOptions
 from taskrunner.writes import RunWrites
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while not
 FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together, at most
 SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
 BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
+DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
 
 
 def _hash(token: str, worker_id: str) -> bytes:
@@ -86,9 +88,8 @@ def owned_buckets(worker_id: str, peers: Sequence[str]) -> list[int]:
     to the worker with the smallest hash; a worker joining or leaving moves only its share)."""
     candidates = [*peers, worker_id]
     return [
-        b for b in range(BUCKETS)
-        if min(candidates, key=lambda w: _hash(_bucket_token(b), w)) == worker_id
-    ]  # fmt: skip
+        b for b in range(BUCKETS) if min(candidates, key=lambda w: _hash(_bucket_token(b), w)) == worker_id
+    ]
 
 
 def default_worker_id() -> str:
@@ -113,60 +114,81 @@ class ServerClock:
 
 
 class Worker:
+    """One worker process's engine: claims and runs the tasks of ``runner``'s handlers.
+
+    Configure it with ``options`` (a ``WorkerOptions``) or with its fields as keywords
+    (``Worker(runner, concurrency=4)``), which override ``options``. ``observer`` receives
+    the worker's events (``taskrunner.metrics.PrometheusObserver``). ``await run()``
+    until ``stop()``; ``TaskRunner.run_worker`` does both for you.
+    """
+
     def __init__(
         self,
         runner: TaskRunner,
+        options: WorkerOptions | None = None,
         *,
-        concurrency: int = 10,
-        worker_id: str | None = None,
-        shutdown_timeout: float = 0.5,
-        poll_interval: float = 5.0,
-        queue_capacity: int = 10_000,
-        beat_interval: float = 2.0,
         observer: WorkerObserver | None = None,
-        batch: int = 32,
-        discovery: Literal["stream", "poll"] = "stream",
+        **overrides: Any,
     ) -> None:
-        """``batch``: most tasks one claim round trip may take when slots are free
-        (1 claims one at a time). ``discovery="poll"`` scans every ``poll_interval``
-        instead of following a change stream (which it also does when the server has none)."""
-        if concurrency < 1:
-            raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
-        self.runner, self.store, self.registry = runner, runner.store, runner.registry
-        self.worker_id = worker_id or default_worker_id()
-        self.concurrency, self.shutdown_timeout = concurrency, shutdown_timeout
-        self.names = frozenset(runner.registry.names())
-        self.queue = ClaimQueue(queue_capacity)
-        self.poll_interval = poll_interval
-        self.discovery = Discovery(self.store, sorted(self.names), consider=self.consider, sweep_at=self.sweep_at,
-                                   keyless=self.keyless, polling=discovery == "poll")  # fmt: skip
-        self.clock = ServerClock()
+        self.options = options = (options or WorkerOptions()).merged(**overrides)
+        self.runner, self.store, self.handlers = runner, runner.store, runner.handlers
+        self.worker_id = options.worker_id or default_worker_id()
+        self.concurrency, self.shutdown_timeout = options.concurrency, options.shutdown_timeout
+        self.poll_interval, self.beat_interval = options.poll_interval, options.beat_interval
+        self.batch, self.drain = options.batch, options.drain
+        self.names = frozenset(runner.handlers.names())
+        self.queue = ClaimQueue(options.queue_capacity)
         self.observer: WorkerObserver = observer or NullObserver()
-        self.beat_interval = beat_interval
+        self.clock = ServerClock()
         self.started_at = datetime.now(UTC)
         self.peers: list[WorkerInfo] = []
         self._peers_known = asyncio.Event()
         self._owned_cache: dict[tuple[str, ...], list[int]] = {}
         self._sweep_due: float | None = None
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
-        self.batch = max(1, batch)
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
         self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
-        self.declared = {name: runner.registry.get(name).limit for name in self.names}
-        self.limits = LimitWatch(self.store, sorted(self.names), self._paused_changed, self._server_now,
-                                 declared=self.declared, on_limits=self._limits_changed)  # fmt: skip
-        self.gates = GateKeeper(self.store, self.worker_id, self.clock.now, self.limits.limits,
-                                capacity=concurrency, peers=self._serving,
-                                throttled=lambda gate: self.limits.gate_throttles.get(gate))  # fmt: skip
+        self.declared = {name: runner.handlers.get(name).limit for name in self.names}
         self._stop = asyncio.Event()
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = asyncio.Semaphore(self.concurrency)
         self._misses: dict[str, int] = {}
-        self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix="taskrunner-handler")
+        self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="taskrunner-handler")
+        self._drain_seen: set[str] = set()
+        self._parts(options.discovery == "poll")
+
+    def _parts(self, polling: bool) -> None:
+        """Discovery, limits, gates and the outage loggers, which call back into the worker."""
+        self.discovery = Discovery(
+            self.store,
+            sorted(self.names),
+            consider=self.consider,
+            sweep_at=self.sweep_at,
+            keyless=self.keyless,
+            polling=polling,
+        )
+        self.limits = LimitWatch(
+            self.store,
+            sorted(self.names),
+            self._paused_changed,
+            self._server_now,
+            declared=self.declared,
+            on_limits=self._limits_changed,
+        )
+        self.gates = GateKeeper(
+            self.store,
+            self.worker_id,
+            self.clock.now,
+            self.limits.limits,
+            capacity=self.concurrency,
+            peers=self._serving,
+            throttled=lambda gate: self.limits.gate_throttles.get(gate),
+        )
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
-        self._clock_outage = Outage(self.log, "cannot read the server's clock; retrying", "server clock recovered",
-                                    base=0.2)  # fmt: skip
+        self._clock_outage = Outage(
+            self.log, "cannot read the server's clock; retrying", "server clock recovered", base=0.2
+        )
         self._beats = Outage(self.log, "registry heartbeat failed", "registry heartbeat recovered")
 
     def stop(self) -> None:
@@ -271,12 +293,19 @@ class Worker:
         )
 
     async def run(self) -> None:
+        """Claim and run tasks until ``stop()`` (or, draining, until nothing is left to run
+        now), then shut down gracefully; raises ``ConfigurationError`` without handlers."""
         if not self.names:
             raise ConfigurationError("the app registers no handlers: nothing to run")
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
-        side = {"discovery": lambda: self.discovery.run(self._stop), "claimer": self._claim_loop,
-                "clock": self._clock_loop, "registry": self._registry_loop, "limits": self._limits_loop,
-                "gates": lambda: self.gates.run(self._stop, self.declared)}  # fmt: skip
+        side: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {
+            "discovery": lambda: self.discovery.run(self._stop),
+            "claimer": self._claim_loop,
+            "clock": self._clock_loop,
+            "registry": self._registry_loop,
+            "limits": self._limits_loop,
+            "gates": lambda: self.gates.run(self._stop, self.declared),
+        }
         if self.runner.schedules:
             side["scheduler"] = self._schedule_loop
         tasks = {
@@ -363,11 +392,53 @@ class Worker:
             due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
-            times = [t for t in (self.queue.next_at(), self._sweep_due) if t is not None]
+            recheck = await self._check_drained() if self.drain and not self.runs else None
+            if self._stop.is_set():
+                return []
+            now = self.clock.now()
+            times = [t for t in (self.queue.next_at(), self._sweep_due, recheck) if t is not None]
             wait = max(0.0, min(times) - now) if times else None
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.queue.changed.wait(), wait)
         return []
+
+    async def _check_drained(self) -> float:
+        """Drain mode with nothing running: stop once nothing is claimable now; returns
+        when to check again (tasks claimable now may wait for their grace or permit)."""
+        if await self._drained():
+            self.log.info("drained: nothing runs here and nothing is claimable now")
+            self.stop()
+        return self.clock.now() + DRAIN_RECHECK
+
+    async def _drained(self) -> bool:
+        """Drain mode, nothing running here: whether no task is claimable by this worker now.
+        Tasks that are get queued (taken from their owners once the orphan grace passes);
+        unreadable documents keep the drain going only until one keyless claim met them."""
+        names = self.active_names()
+        if not names:
+            return True
+        horizon = self._server_now()
+        try:
+            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT)
+        except StoreError as exc:
+            await asyncio.sleep(self._claims.failed(exc))
+            return False
+        self._claims.ok()
+        ready = [task for task in page.tasks if self._claimable_by(task, horizon)]
+        for task in ready:
+            # Queued already (e.g. waiting for its gate's permit): left where it waits.
+            if task.key not in self.queue and not self.consider(task):
+                self.consider(task, steal=True)
+        unseen = {bad.key or bad.problem for bad in page.unreadable} - self._drain_seen
+        if unseen:
+            self._drain_seen |= unseen
+            self.keyless()
+        return not ready and not unseen
+
+    def _claimable_by(self, task: Task, now: datetime) -> bool:
+        """Whether this worker may claim ``task`` by ``now``, by its own constraints too."""
+        at = rules.next_claim(task, self.worker_id)
+        return at is not None and at <= now
 
     async def _claim(self, due: list[Due]) -> list[Claim]:
         # By key, the best due entry: the server then touches one document through the
@@ -539,9 +610,16 @@ class Worker:
 
     def _start(self, claim: Claim) -> None:
         execution = Execution(
-            claim, store=self.store, registry=self.registry, worker_id=self.worker_id, executor=self._executor,
-            observer=self.observer, writes=self.writes, heartbeat=self.heartbeat, throttle=self._throttle,
-        )  # fmt: skip
+            claim,
+            store=self.store,
+            handlers=self.handlers,
+            worker_id=self.worker_id,
+            executor=self._executor,
+            observer=self.observer,
+            writes=self.writes,
+            heartbeat=self.heartbeat,
+            throttle=self._throttle,
+        )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
         task.add_done_callback(lambda t: self._finished(claim.run_id, t))
@@ -558,6 +636,8 @@ class Worker:
         self.gates.finished(run_id)  # its outcome is written: its running slot is free
         self._slots.release()
         self.observer.in_flight(len(self.runs))
+        if self.drain and not self.runs:
+            self.queue.changed.set()  # the claimer checks whether the drain is over
         if not task.cancelled() and task.exception() is not None:
             self.log.error("run crashed", run_id=run_id, error=repr(task.exception()))
 
@@ -588,8 +668,13 @@ class Worker:
     async def _schedule_loop(self) -> None:
         """Fire the app's schedules (taskrunner.schedules), once the peers are known."""
         await self._peers_known.wait()
-        scheduler = Scheduler(self.store, list(self.runner.schedules.values()),
-                              now=self._server_now, rank=self.schedule_rank, fired=self.observer.fired)  # fmt: skip
+        scheduler = Scheduler(
+            self.store,
+            list(self.runner.schedules.values()),
+            now=self._server_now,
+            rank=self.schedule_rank,
+            fired=self.observer.fired,
+        )
         outage = Outage(
             self.log, "scheduler cannot reach the server; retrying", "scheduler recovered", cap=3.0
         )
@@ -606,11 +691,20 @@ class Worker:
         return sorted([*peers, self.worker_id], key=lambda w: _hash(token, w)).index(self.worker_id)
 
     def info(self) -> WorkerInfo:
+        """This worker as its beats describe it in the worker registry."""
         running = sorted(execution.key for execution, _ in self.runs.values())
-        return WorkerInfo(worker_id=self.worker_id, host=socket.gethostname(), pid=os.getpid(),
-                          started_at=self.started_at, names=sorted(self.names), concurrency=self.concurrency,
-                          running=running, version=__version__,
-                          schedules=sorted(self.runner.schedules), paused=sorted(self.limits.paused))  # fmt: skip
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            names=sorted(self.names),
+            concurrency=self.concurrency,
+            running=running,
+            version=__version__,
+            schedules=sorted(self.runner.schedules),
+            paused=sorted(self.limits.paused),
+        )
 
     async def _registry_loop(self) -> None:
         """Heartbeat into the registry and learn the live peers (for claim ranks)."""

@@ -9,8 +9,9 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from taskrunner import ChangeStreamsUnsupported, MemoryStore, TaskContext, TaskRunner, TaskState
+from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.claimqueue import ClaimQueue
+from taskrunner.errors import ChangeStreamsUnsupported
 from taskrunner.models import WorkerInfo
 from taskrunner.store.base import ChangeStream, Page
 from taskrunner.worker import Worker

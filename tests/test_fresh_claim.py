@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from pymongo import ReturnDocument
 
-from taskrunner import MongoStore, NewTask
+from taskrunner import NewTask
 from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
 from taskrunner.store.base import RunWrite
+from taskrunner.store.mongo import MongoStore
 
 pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]

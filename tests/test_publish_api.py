@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
+import pickle
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+import taskrunner
 from taskrunner import (
     InvalidParams,
     InvalidTask,
     MemoryStore,
+    Task,
     TaskContext,
     TaskRunner,
     TaskState,
     UnknownTaskName,
+    WaitTimeout,
 )
 
 
@@ -141,3 +149,73 @@ def test_sync_facade_has_the_same_semantics(runner: TaskRunner) -> None:
         with pytest.raises(InvalidParams):
             sync.publish("resize", {"width": "no"})
         assert len(sync.publish_many([{"name": "resize", "params": {"width": 1}}])) == 1
+
+
+async def test_a_published_task_waits_for_its_own_result(runner: TaskRunner) -> None:
+    """``await task.wait()`` on the task publish returned gives the finished task and its results."""
+    task = await runner.publish("resize", ResizeParams(width=3, height=4), key="w")
+    worker = asyncio.create_task(runner.run_worker(concurrency=1))
+    try:
+        done = await task.wait(timeout=30)
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+    assert done.state is TaskState.SUCCESS and done.results == [{"area": 12}]
+    assert (await done.wait()).state is TaskState.SUCCESS
+
+
+async def test_task_wait_times_out_as_runner_wait_does(runner: TaskRunner) -> None:
+    """With no worker, ``task.wait(timeout)`` raises WaitTimeout holding the last state seen,
+    which can wait again; tasks from get and list_tasks wait too."""
+    task = await runner.publish("resize", {"width": 1}, key="idle")
+    with pytest.raises(WaitTimeout) as info:
+        await task.wait(timeout=0.05)
+    seen = info.value.task
+    assert isinstance(seen, Task) and seen.state is TaskState.PENDING
+    await runner.cancel("idle")
+    assert (await seen.wait(timeout=5)).state is TaskState.CANCELED
+    [listed] = await runner.list_tasks()
+    assert (await (await runner.get("idle")).wait()).key == (await listed.wait()).key == "idle"
+
+
+async def test_a_task_not_from_a_runner_says_why_it_cannot_wait(runner: TaskRunner) -> None:
+    """A Task read from the store directly has no runner: wait() says so and what to use;
+    ``bound(runner)`` gives it one."""
+    await runner.publish("resize", {"width": 1}, key="raw")
+    raw = await runner.store.get("raw")
+    with pytest.raises(RuntimeError, match=r"not returned by a TaskRunner.*runner\.wait\(task\.key\)"):
+        await raw.wait()
+    await runner.cancel("raw")
+    assert (await raw.bound(runner).wait(timeout=5)).state is TaskState.CANCELED
+
+
+def test_sync_facade_tasks_wait_from_any_event_loop(runner: TaskRunner) -> None:
+    """A task the sync facade returned waits (awaited in another loop) through the facade's loop."""
+    with runner.sync() as sync:
+        task = sync.publish("resize", {"width": 2}, key="s")
+        with pytest.raises(WaitTimeout) as info:
+            asyncio.run(task.wait(timeout=0.05))
+        assert isinstance(info.value.task, Task) and info.value.task.state is TaskState.PENDING
+        sync.cancel("s")
+        assert asyncio.run(task.wait(timeout=5)).state is TaskState.CANCELED
+        assert sync.wait("s", timeout=5).state is TaskState.CANCELED
+
+
+def test_the_package_ships_its_type_information() -> None:
+    """taskrunner/py.typed exists, so type checkers read the package's annotations (PEP 561)."""
+    assert (Path(taskrunner.__file__).parent / "py.typed").is_file()
+
+
+async def test_the_runner_a_task_waits_with_is_no_part_of_its_value(runner: TaskRunner) -> None:
+    """A task bound to a runner equals the same task read directly; a deep copy keeps
+    the runner, and pickling (a runner holds a connection) gives an unbound equal task."""
+    await runner.publish("resize", {"width": 1}, key="v")
+    bound, raw = await runner.get("v"), await runner.store.get("v")
+    assert bound == raw
+    await runner.cancel("v")
+    assert (await copy.deepcopy(bound).wait(timeout=5)).state is TaskState.CANCELED
+    unpickled = pickle.loads(pickle.dumps(bound))
+    assert unpickled == bound
+    with pytest.raises(RuntimeError, match="not returned by a TaskRunner"):
+        await unpickled.wait()

@@ -13,22 +13,20 @@ import pytest
 from pymongo.errors import WriteError
 
 from taskrunner import (
-    ChangeHistoryLost,
-    ClaimLost,
     MalformedTask,
     MemoryStore,
-    MongoStore,
     NewTask,
     TaskError,
     TaskNotFound,
     TaskState,
     rules,
 )
-from taskrunner.errors import ScheduleNotFound
+from taskrunner.errors import ChangeHistoryLost, ClaimLost, ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.rules import RunStatus
 from taskrunner.schedules import declare
 from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunWrite, Store
+from taskrunner.store.mongo import MongoStore
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]

@@ -86,7 +86,7 @@ async def test_code_like_task_names_only_ever_reach_the_registry(monkeypatch: py
         )
         claim = await runner.store.claim("w1", key=name)  # no names filter: the worst case
         assert claim is not None
-        await Execution(claim, store=runner.store, registry=runner.registry, worker_id="w1").run()
+        await Execution(claim, store=runner.store, handlers=runner.handlers, worker_id="w1").run()
         task = await runner.get(name)
         error = task.last_error
         assert task.state is TaskState.FAIL and error is not None

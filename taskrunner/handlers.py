@@ -64,7 +64,9 @@ def params_model_of(handler: Handler) -> type[BaseModel] | None:
     return hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
 
 
-class Registry:
+class Handlers:
+    """A runner's handlers by task name (``runner.handlers``)."""
+
     def __init__(self) -> None:
         self._by_name: dict[str, Registration] = {}
 
@@ -79,10 +81,8 @@ class Registry:
         limit = limit or Limit()
         if limit.limit_by is not None and model is not None and limit.limit_by not in model.model_fields:
             raise InvalidTask("limit_by", f"{limit.limit_by!r} is not a field of {model.__name__}")
-        registration = Registration(
-            name, handler, model, options, limit,
-            wants_context=arity >= 2, is_async=inspect.iscoroutinefunction(handler),
-        )  # fmt: skip
+        is_async = inspect.iscoroutinefunction(handler)
+        registration = Registration(name, handler, model, options, limit, arity >= 2, is_async)
         self._by_name[name] = registration
         return registration
 
