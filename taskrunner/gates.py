@@ -54,10 +54,6 @@ MARGIN = 0.02
 """Seconds past a lane's next start, read from the gate, before claiming on it: a
 worker's estimate of the server's clock may run a little ahead, and a claim that comes
 too early is refused. After its own start a worker needs no margin (``HeldLane.ready``)."""
-ALIGN = 0.2
-"""Periods within which lanes of one worker that open at nearly the same time are made
-to open together: their tasks then go in one claim (a worker's lanes drift apart when
-claims find fewer tasks than open lanes, and each group would cost a claim per period)."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(.+?)\s*$")
 
@@ -311,23 +307,10 @@ class Lease:
             if started is not None:
                 lane.next = max(lane.next, started + timedelta(seconds=period))
                 lane.ready = max(lane.ready, started.timestamp(), now) + period
-                self._align(lane, period, now)
         slot = self.slots.get(permit.slot) if permit.slot is not None else None
         if slot is not None and slot.permit == permit.id:
             slot.permit = None
             slot.run = run if started is not None else None
-
-    def _align(self, lane: HeldLane, period: float, now: float) -> None:
-        """Lanes not yet open that open within ``ALIGN`` periods of ``lane`` open with
-        the last of them. Only ever later: a lane opening late never starts early."""
-        near = [
-            h
-            for h in self.lanes.values()
-            if h.permit is None and h.ready > now and abs(h.ready - lane.ready) <= ALIGN * period
-        ]
-        at = max(h.ready for h in near)
-        for held in near:
-            held.ready = at
 
     def finished(self, run: str) -> bool:
         for slot in self.slots.values():

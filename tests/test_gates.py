@@ -134,23 +134,6 @@ async def test_a_lane_opens_a_period_after_its_start_and_costs_no_write_per_task
     assert keeper.counts["writes"] == 1 and fleet.starts == [0.0, 1.05]
 
 
-async def test_lanes_that_open_a_little_apart_are_claimed_together_from_then_on() -> None:
-    """Two lanes started 0.1 s apart open together the period after (the later time):
-    one claim takes both tasks instead of one claim each; nothing opens early."""
-    fleet = Fleet(Limit(Rate(2, 1.0)))
-    keeper = fleet.keeper("w")
-    await keeper.admit([], 0)
-    assert len(await fleet.start(keeper, 1)) == 1
-    fleet.t = 0.1
-    assert len(await fleet.start(keeper, 1)) == 1
-    fleet.t = 1.05
-    ready, later = await keeper.admit(fleet.due(2), 2)
-    assert ready == [] and [t for _, t in later] == [pytest.approx(at(1.1).timestamp(), abs=0.01)] * 2
-    fleet.t = 1.1
-    assert len(await fleet.start(keeper, 2)) == 2
-    assert fleet.starts == [0.0, 0.1, 1.1, 1.1]
-
-
 async def test_a_dead_workers_lanes_open_a_period_after_its_lease_ends() -> None:
     """Nobody renews: the lanes stay its own until the lease lapses, then open a period
     later, after anything it could still have started."""
