@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 from typer.testing import CliRunner, Result
-from workers import WorkerPool, wait_exit, wait_for
+from workers import WorkerPool, wait_exit
 
 from taskrunner import EntryState, Task, TaskRunner, TaskState
 from taskrunner import fields as f
 from taskrunner.cli import app
 from taskrunner.errors import WaitTimeout
 from taskrunner.store.mongo import MongoStore
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

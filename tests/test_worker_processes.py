@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
-from workers import ChangeRecorder, WorkerPool, finished, wait_exit, wait_for
+from workers import ChangeRecorder, WorkerPool, finished, wait_exit
 
 from taskrunner import EntryState, NewTask, TaskRunner, TaskState, WorkerEntry, rules
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

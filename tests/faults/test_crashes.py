@@ -25,11 +25,12 @@ import pytest
 from bson import Int64
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
-from workers import ChangeRecorder, WorkerPool, WorkerProcess, wait_for
+from workers import ChangeRecorder, WorkerPool, WorkerProcess
 
 from taskrunner import EntryState, InvalidTask, NewTask, Task, TaskContext, TaskRunner, TaskState
 from taskrunner.embedded import EmbeddedServer
 from taskrunner.store.memory import MemoryStore
+from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo

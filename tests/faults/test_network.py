@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workers import WorkerPool, WorkerProcess, wait_for
+from workers import WorkerPool, WorkerProcess
 
 from faults.proxy import FaultProxy
 from taskrunner import EntryState, Task, TaskRunner, TaskState
 from taskrunner.errors import StoreUnavailable, TaskNotFound
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 
