@@ -19,8 +19,10 @@ Fixtures:
   ``embedded_uri``.
 * ``collection_name``: a fresh collection name per test.
 
-Helpers: :func:`wait_for` polls a condition; :class:`ManualClock` is a server clock for
-``MemoryStore(clock=...)`` that moves only when a test moves it.
+Helpers: :func:`wait_for` polls a condition; :func:`make_context` builds the ``TaskContext``
+to call a handler directly; :class:`ManualClock` is a server clock for
+``MemoryStore(clock=...)`` (or ``memory_runner(app, clock=...)``) that moves only when a
+test moves it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from uuid import uuid4
 import pytest
 import pytest_asyncio
 
+from taskrunner.context import TaskContext
 from taskrunner.models import to_utc
 from taskrunner.runner import TaskRunner
 from taskrunner.store.memory import MemoryStore
@@ -47,6 +50,7 @@ __all__ = [
     "MongoRunnerFactory",
     "collection_name",
     "embedded_uri",
+    "make_context",
     "memory_runner",
     "mongo_runner",
     "mongo_uri",
@@ -128,6 +132,13 @@ class ManualClock:
         assert isinstance(moved, datetime)
         self.now = moved
         return moved
+
+
+def make_context(
+    params: Any = None, *, key: str = "test", attempt: int = 1, worker_id: str = "test-worker"
+) -> TaskContext:
+    """A ``TaskContext`` for calling a handler directly, as a worker would on that attempt."""
+    return TaskContext(key=key, run_id=uuid4().hex, attempt=attempt, worker_id=worker_id, params=params)
 
 
 class MemoryRunnerFactory(Protocol):
