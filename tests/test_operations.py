@@ -273,10 +273,14 @@ async def test_workers_lists_live_workers_and_stop_worker_stops_one_gracefully(
         code = await wait_exit(w1, 30)
         stop_latency = time.monotonic() - asked
         task = await runner.get("busy")
-    print(f"killed worker gone from `workers` after {aged_out:.2f}s (beat 0.3s, entry lives 1.5s); "
-          f"stop-worker exit after {stop_latency:.2f}s")  # fmt: skip
+    print(
+        f"killed worker gone from `workers` after {aged_out:.2f}s (beat 0.3s, entry lives 1.5s); "
+        f"stop-worker exit after {stop_latency:.2f}s"
+    )
     assert {k: (v["pid"], v["running"], v["stop_requested"]) for k, v in listed.items()} == {
-        "w1": (w1.pid, ["busy"], False), "w2": (w2.pid, [], False)}  # fmt: skip
+        "w1": (w1.pid, ["busy"], False),
+        "w2": (w2.pid, [], False),
+    }
     assert "w1" in table and "w2" in table and "1/10: busy" in table and "running" in table
     # Bounds leave a busy host room; an entry that outlived its ttl, or a stop that waited for
     # the 60 s handler, would take far longer.

@@ -174,8 +174,14 @@ async def test_worker_ids_are_respected_and_removal_stops_the_run(
         assert {(t.state, w.worker_id) for t in tasks for w in t.workers} == {(TaskState.SUCCESS, "w2")}
         assert {m["worker_id"] for key in keys for m in pool.marks(key=key)} == {"w2"}
 
-        await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 60}, key="moving",
-                             worker_ids=["w1", "w3"], ping_interval=0.5, ping_timeout=10)  # fmt: skip
+        await runner.publish(
+            "sleep",
+            {"seconds": 0.3, "first_seconds": 60},
+            key="moving",
+            worker_ids=["w1", "w3"],
+            ping_interval=0.5,
+            ping_timeout=10,
+        )
         first = await wait_for(lambda: running_entry(runner, "moving"), 30, "a claim by w1 or w3")
         other = "w3" if first.worker_id == "w1" else "w1"
         stopped = time.monotonic()

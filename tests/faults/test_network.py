@@ -173,8 +173,10 @@ async def test_server_outage_is_waited_out_quietly_and_cheaply(
         await wait_for(
             lambda: time.monotonic() - dropped >= outage, outage, "the outage to end", interval=0.2
         )
-        cpu = {w.worker_id: (cpu_seconds(w.pid) - cpu_start[w.worker_id]) / (time.monotonic() - measured)
-               for w in workers}  # fmt: skip
+        cpu = {
+            w.worker_id: (cpu_seconds(w.pid) - cpu_start[w.worker_id]) / (time.monotonic() - measured)
+            for w in workers
+        }
         during = {w.worker_id: w.logs()[before[w.worker_id] :] for w in workers}
 
         proxy.heal()
@@ -184,16 +186,20 @@ async def test_server_outage_is_waited_out_quietly_and_cheaply(
         recovery = time.monotonic() - healed
         victim = await wait_for(lambda: done(runner, "victim"), 30, "the fenced task to be taken over")
         back = {w.worker_id: await discovery_back(w, healed_wall) for w in workers}
-        recovered = {w.worker_id: [e["event"] for e in w.logs() if str(e.get("event")).endswith("recovered")]
-                     for w in workers}  # fmt: skip
+        recovered = {
+            w.worker_id: [e["event"] for e in w.logs() if str(e.get("event")).endswith("recovered")]
+            for w in workers
+        }
         assert all(w.alive() for w in workers)
 
     fence_delay = logged_at(fenced) - dropped_wall
     counts = {worker_id: noisy(lines) for worker_id, lines in during.items()}
-    print(f"publish failed after {publish_failed_after:.2f}s; self-fenced {fence_delay:.2f}s after the drop; "
-          f"CPU {', '.join(f'{k} {v:.1%}' for k, v in cpu.items())}; recovered in {recovery:.2f}s; "
-          f"discovery back after {back}; warning/error lines during the outage {counts}; "
-          f"recovery lines {recovered}")  # fmt: skip
+    print(
+        f"publish failed after {publish_failed_after:.2f}s; self-fenced {fence_delay:.2f}s after the drop; "
+        f"CPU {', '.join(f'{k} {v:.1%}' for k, v in cpu.items())}; recovered in {recovery:.2f}s; "
+        f"discovery back after {back}; warning/error lines during the outage {counts}; "
+        f"recovery lines {recovered}"
+    )
     assert 1.5 <= publish_failed_after <= 8.0
     assert fence_delay <= 2.0 + SLACK  # ping_timeout after the last confirmed ping, on a busy host later
     assert [(m["worker_id"], m["ctx_cancelled"]) for m in pool.marks(key="victim", event="cancelled")] == [
