@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from taskrunner import MemoryStore, MongoStore, TaskRunner
+from taskrunner import TaskRunner
 from taskrunner.store.base import Store
+from taskrunner.store.memory import MemoryStore
+from taskrunner.store.mongo import MongoStore
 
 if TYPE_CHECKING:
     from taskrunner.testing import ManualClock
