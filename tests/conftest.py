@@ -1,44 +1,72 @@
-"""Shared fixtures: a MongoDB-compatible server for the test session."""
+"""Shared fixtures: taskrunner's own pytest plugin (servers, collections) plus the one
+``store`` fixture every store-level test uses."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
-from uuid import uuid4
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
 from taskrunner import TaskRunner
-from taskrunner.embedded import ServerThread
+from taskrunner.store.base import Store
+from taskrunner.store.memory import MemoryStore
+from taskrunner.store.mongo import MongoStore
 
-_NO_EMBEDDED = "embedded server needs Python >= 3.13 and the 'embedded' extra"
+if TYPE_CHECKING:
+    from taskrunner.testing import ManualClock
 
+# Imported by pytest itself (not above), so that pytest can rewrite its asserts.
+pytest_plugins = ["taskrunner.testing"]
+TEST_MONGO_URI = "TASKRUNNER_TEST_MONGO_URI"
 
-@pytest.fixture(scope="session")
-def embedded_uri() -> Iterator[str]:
-    """URI of the session's embedded server, whatever TASKRUNNER_TEST_MONGO_URI says."""
-    try:
-        server = ServerThread()
-    except RuntimeError:
-        pytest.skip(_NO_EMBEDDED)
-    with server:
-        yield server.uri
-
-
-@pytest.fixture(scope="session")
-def mongo_uri(request: pytest.FixtureRequest) -> str:
-    """TASKRUNNER_TEST_MONGO_URI when set (a real MongoDB), else the embedded server."""
-    external = os.environ.get("TASKRUNNER_TEST_MONGO_URI")
-    if external:
-        return external
-    uri: str = request.getfixturevalue("embedded_uri")
-    return uri
+STORES = ["memory", "embedded", "real"]
+"""The ``store`` fixture's variants; a module narrows them with
+``pytest.mark.parametrize("store", [...], indirect=True)``."""
 
 
 @pytest.fixture
-def collection_name() -> str:
-    """A fresh collection per test: mongoeco loses a change event when a collection is dropped."""
-    return f"t_{uuid4().hex[:12]}"
+def clock() -> ManualClock:
+    """The memory store's server clock: it moves only when a test moves it."""
+    from taskrunner.testing import ManualClock
+
+    return ManualClock()
+
+
+@pytest.fixture(params=STORES)
+async def store(
+    request: pytest.FixtureRequest, collection_name: str, clock: ManualClock
+) -> AsyncIterator[Store]:
+    """Each store: a MemoryStore on ``clock``, MongoStore on the embedded server, and
+    MongoStore on a real MongoDB when TASKRUNNER_TEST_MONGO_URI is set (skipped otherwise)."""
+    if request.param == "memory":
+        yield MemoryStore(clock=clock)
+        return
+    if request.param == "real":
+        uri = os.environ.get(TEST_MONGO_URI)
+        if not uri:
+            pytest.skip(f"real MongoDB: set {TEST_MONGO_URI} to run this on it")
+    else:
+        uri = request.getfixturevalue("embedded_uri")
+    mongo = MongoStore.connect(uri, database="taskrunner_test", collection=collection_name)
+    await mongo.init()
+    yield mongo
+    await mongo.close()
+
+
+@pytest.fixture
+def elapse(store: Store, clock: ManualClock) -> Callable[[float], Awaitable[None]]:
+    """``await elapse(seconds)``: server time passes; the memory store's clock jumps, a server's runs."""
+
+    async def wait(seconds: float) -> None:
+        if isinstance(store, MemoryStore):
+            clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)
+
+    return wait
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.heartbeat import Heartbeat, Lease
 from taskrunner.rules import RunStatus
 from taskrunner.store.base import Claim, Claimed, RunResult, RunWrite
+from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 from taskrunner.writes import RunWrites
 
@@ -25,6 +27,7 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.calls: Counter[str] = Counter()
         self.batches: list[list[RunWrite]] = []
+        self.claimed: list[int] = []  # tasks each claim_many took
         self.delay = delay
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
@@ -39,7 +42,9 @@ class CountingStore(MemoryStore):
 
     async def claim_many(self, worker_id: str, keys: Sequence[str], **kwargs: Any) -> Claimed:
         self.calls["claim_many"] += 1
-        return await super().claim_many(worker_id, keys, **kwargs)
+        claimed = await super().claim_many(worker_id, keys, **kwargs)
+        self.claimed.append(len(claimed.claims))
+        return claimed
 
 
 def app(store: MemoryStore, seconds: float = 0.0) -> tuple[TaskRunner, list[str]]:
@@ -77,13 +82,14 @@ async def test_fifty_runs_cost_about_one_renewal_write_per_interval() -> None:
     worker = Worker(runner, concurrency=50, worker_id="w1")
     running = asyncio.create_task(worker.run())
     try:
-        while len(worker.runs) < 50:
-            await asyncio.sleep(0.02)
-        before = store.calls["write_runs"]
-        await asyncio.sleep(1.0)  # five intervals
-        pings = store.batches[-1]
-        assert 3 <= store.calls["write_runs"] - before <= 7
-        assert len(pings) == 50 and {w.kind for w in pings} == {"ping"}
+        await wait_for(lambda: len(worker.runs) == 50, what="50 runs")
+        await wait_for(lambda: store.calls["write_runs"] >= 1, what="a first renewal")
+        before, began = len(store.batches), time.monotonic()
+        await wait_for(lambda: len(store.batches) >= before + 5, what="five more renewals")
+        took, renewals = time.monotonic() - began, store.batches[before : before + 5]
+        # Each write renews every run; a busy machine only spaces them out further.
+        assert [len(b) for b in renewals] == [50] * 5 and {w.kind for b in renewals for w in b} == {"ping"}
+        assert took >= 4 * 0.2 * 0.9
         tasks = [await store.get(f"k{i}") for i in range(50)]
         assert all(
             t.state is TaskState.RUNNING and t.workers[0].ping_at > t.workers[0].claimed_at for t in tasks
@@ -109,7 +115,7 @@ async def test_a_shared_renewal_stops_exactly_the_runs_it_lost() -> None:
         heartbeat.add(Lease(key, claim.run_id, 0.1, 5.0, ender(key)))
     await store.release("a", claims["a"].run_id)
     await runner.cancel("b")
-    await asyncio.sleep(0.35)
+    await wait_for(lambda: len(ended) == 2, what="two runs to end")
     assert ended == {"a": RunStatus.LOST, "b": RunStatus.CANCELED}
     assert len(heartbeat) == 1
     entry = (await store.get("c")).entry(claims["c"].run_id)
@@ -140,9 +146,10 @@ async def test_a_lease_that_cannot_be_renewed_fences_itself_after_ping_timeout()
 
     for claim, timeout in zip(claims, (0.3, 0.6), strict=True):
         heartbeat.add(Lease(claim.task.key, claim.run_id, 0.1, timeout, ender(claim.task.key)))
-    await asyncio.sleep(0.9)
+    await wait_for(lambda: len(ended) == 2, what="both runs to fence themselves")
     assert {k: v[0] for k, v in ended.items()} == {"a": None, "b": None}
-    assert 0.25 <= ended["a"][1] < ended["b"][1] < 0.85
+    # Not before its own timeout (a busy machine may only make each later, never earlier).
+    assert 0.3 - 0.05 <= ended["a"][1] <= ended["b"][1] and ended["b"][1] >= 0.6 - 0.05
 
 
 async def test_free_slots_claim_due_tasks_in_batches() -> None:
@@ -153,8 +160,9 @@ async def test_free_slots_claim_due_tasks_in_batches() -> None:
     worker = Worker(runner, concurrency=10, worker_id="w1")
     await run_until(worker, lambda: len(done) == 40)
     assert sorted(done) == [f"k{i:02}" for i in range(40)]
-    assert store.calls["claim_many"] >= 1
-    assert store.calls["claim"] + store.calls["claim_many"] <= 20
+    # The first round fills every slot at once; later ones take what frees up together,
+    # which a busy machine may make fewer.
+    assert store.claimed[0] == 10
 
 
 async def test_batch_one_claims_one_task_per_round_trip() -> None:

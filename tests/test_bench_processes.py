@@ -55,7 +55,8 @@ def test_pickup_polling_smoke(tmp_path: Path) -> None:
     result = run_bench("pickup.py", "--smoke", "--mode", "polling", results=tmp_path / "r.jsonl")
     check_pickup(result, 3)
     assert result["config"] == {"mode": "polling", "poll_interval": 0.5}
-    assert result["max_ms"] < 500 + 1000  # one interval plus a generous margin for a loaded machine
+    # One 0.5 s interval plus room for a busy host, yet below the default 5 s interval.
+    assert result["max_ms"] < 500 + 3500
 
 
 def test_throughput_smoke(tmp_path: Path) -> None:
@@ -86,6 +87,7 @@ def test_takeover_smoke(tmp_path: Path) -> None:
         assert result["bench"] == "takeover"
         assert len(result["samples"]) == 1
         assert result["median_s"] == result["max_s"] == result["samples"][0]
-    # The lease runs ping_timeout past the last ping (server clock; allow a little skew).
-    assert 1.9 <= killed["median_s"] < 10
+    # The lease runs ping_timeout past the last ping (server clock; allow a little skew); the
+    # upper bound only leaves a busy host room.
+    assert 1.9 <= killed["median_s"] < 2.0 + 20
     assert 0 < stopped["median_s"] < killed["median_s"]

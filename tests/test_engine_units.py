@@ -14,6 +14,7 @@ from taskrunner.claimqueue import ClaimQueue
 from taskrunner.errors import ChangeStreamsUnsupported
 from taskrunner.models import WorkerInfo
 from taskrunner.store.base import ChangeStream, Page
+from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 
 
@@ -49,12 +50,11 @@ def make_runner(store: Any) -> tuple[TaskRunner, list[str]]:
     return runner, done
 
 
-async def run_until(worker: Worker, condition: Any, limit: float = 10.0) -> None:
+async def run_until(worker: Worker, condition: Any, within: float = 20.0) -> None:
+    """Run the worker until ``condition()`` holds, then stop it and wait for it to exit."""
     running = asyncio.create_task(worker.run())
     try:
-        async with asyncio.timeout(limit):
-            while not condition():
-                await asyncio.sleep(0.02)
+        await wait_for(condition, within, "the worker to get there", interval=0.02)
     finally:
         worker.stop()
         await running
@@ -156,9 +156,7 @@ async def test_lost_history_leads_to_a_sweep_and_no_stranded_task() -> None:
     running = asyncio.create_task(worker.run())
     await asyncio.sleep(0.3)
     await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(5)])
-    async with asyncio.timeout(10):
-        while len(done) < 5:
-            await asyncio.sleep(0.02)
+    await wait_for(lambda: len(done) == 5, what="five tasks run")
     worker.stop()
     await running
     assert sorted(done) == [f"k{i}" for i in range(5)]
@@ -191,9 +189,7 @@ async def test_worker_registers_itself_while_running() -> None:
     runner, _ = make_runner(registry_store)
     worker = Worker(runner, worker_id="w-reg", beat_interval=0.1)
     running = asyncio.create_task(worker.run())
-    async with asyncio.timeout(5):
-        while not await registry_store.workers():
-            await asyncio.sleep(0.02)
+    await wait_for(registry_store.workers, what="the worker to register")
     [info] = await registry_store.workers()
     worker.stop()
     await running

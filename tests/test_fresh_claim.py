@@ -8,8 +8,6 @@ never match what the general one refuses.
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,7 +20,7 @@ from taskrunner.store import expressions as x
 from taskrunner.store.base import RunWrite
 from taskrunner.store.mongo import MongoStore
 
-pytestmark = pytest.mark.mongo
+pytestmark = [pytest.mark.mongo, pytest.mark.parametrize("store", ["embedded", "real"], indirect=True)]
 Doc = dict[str, Any]
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -36,17 +34,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "failures missing (by hand)": {"failures": None},
     "delayed": {"delay": 60},
 }
-
-
-@pytest.fixture(params=["embedded", "real"])
-async def store(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[MongoStore]:
-    uri = os.environ.get("TASKRUNNER_TEST_MONGO_URI") if request.param == "real" else None
-    if request.param == "real" and not uri:
-        pytest.skip("real MongoDB: set TASKRUNNER_TEST_MONGO_URI to run this on it")
-    mongo = MongoStore.connect(uri or request.getfixturevalue("embedded_uri"), collection=collection_name)
-    await mongo.init()
-    yield mongo
-    await mongo.close()
 
 
 async def publish_pair(store: MongoStore, variant: dict[str, Any]) -> None:

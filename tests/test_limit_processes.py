@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
-from workers import WorkerPool, wait_for
+from workers import WorkerPool
 
 from taskrunner import Task, TaskRunner, TaskState
 from taskrunner.cli import app
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

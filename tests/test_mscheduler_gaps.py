@@ -43,8 +43,8 @@ from taskrunner.errors import StoreUnavailable
 from taskrunner.models import EntryState, NewTask, TaskState
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import ChangeEvent, ChangeStream, Page, Store
-from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore
+from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo
@@ -52,34 +52,8 @@ Params = dict[str, Any]
 
 
 # -- fixtures and helpers ---------------------------------------------------------------------
-@pytest.fixture(params=["memory", "mongo"])
-async def store(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[Store]:
-    """For rules that live in the claim filter: the in-memory twin and MongoDB pipelines."""
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    uri: str = request.getfixturevalue("mongo_uri")
-    mongo = MongoStore.connect(uri, collection=collection_name)
-    await mongo.init()
-    yield mongo
-    await mongo.close()
-
-
 def new(key: str, **options: Any) -> NewTask:
     return NewTask.build(key=key, name="job", options=options)
-
-
-async def wait_for(check: Callable[[], Awaitable[bool] | bool], within: float = 20.0) -> None:
-    """Poll ``check`` until it holds; fail after ``within`` seconds (a generous bound)."""
-    deadline = time.monotonic() + within
-    while True:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, f"condition not met within {within}s"
-        await asyncio.sleep(0.05)
 
 
 def state_is(runner: TaskRunner, key: str, state: TaskState) -> Callable[[], Awaitable[bool]]:

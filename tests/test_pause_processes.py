@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 from typer.testing import CliRunner, Result
-from workers import WorkerPool, wait_for
+from workers import WorkerPool
 
 from taskrunner import TaskRunner, TaskState
 from taskrunner.cli import app
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]

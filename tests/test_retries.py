@@ -13,6 +13,7 @@ import structlog
 from taskrunner import Fail, MemoryStore, RateLimited, Retry, TaskContext, TaskOptions, TaskRunner, TaskState
 from taskrunner.limits import LimitWatch
 from taskrunner.retries import delay
+from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 
 
@@ -52,12 +53,13 @@ def test_retry_rejects_a_negative_delay() -> None:
 async def _run_once(runner: TaskRunner, key: str) -> None:
     worker = Worker(runner, worker_id="w")
     running = asyncio.create_task(worker.run())
+
+    async def ran() -> bool:
+        task = await runner.get(key)
+        return task.state.finished or bool(task.failures or task.snoozes)
+
     try:
-        for _ in range(500):
-            task = await runner.get(key)
-            if task.state.finished or task.failures or task.snoozes:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(ran, what=f"{key} to run once", interval=0.01)
     finally:
         worker.stop()
         await running

@@ -7,9 +7,10 @@ import itertools
 from pathlib import Path
 
 import pytest
-from workers import WorkerPool, finished, wait_for
+from workers import WorkerPool, finished
 
 from taskrunner import EntryState, LimitState, TaskRunner, TaskState
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 from typer.testing import CliRunner, Result
-from workers import WorkerPool, wait_for
+from workers import WorkerPool
 
 from taskrunner import TaskRunner
 from taskrunner.cli import app
 from taskrunner.recurrence import iso
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

@@ -25,22 +25,22 @@ block raised (pytest shows it with the failure).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from pymongo import AsyncMongoClient
 
 from taskrunner import Task, TaskRunner
+from taskrunner.testing import wait_for
 
 TESTS_DIR = Path(__file__).resolve().parent
 ACCEPTANCE_APP = "apps.acceptance_app:runner"
@@ -174,35 +174,6 @@ class WorkerPool:
                     else []
                 )
                 print(f"--- {worker.worker_id} (exit {worker.popen.returncode}) ---", *tail, sep="\n")
-
-
-@overload
-async def wait_for(
-    condition: Callable[[], Awaitable[T | None]], within: float, what: str, *, interval: float = 0.05
-) -> T: ...
-
-
-@overload
-async def wait_for(
-    condition: Callable[[], T | None], within: float, what: str, *, interval: float = 0.05
-) -> T: ...
-
-
-async def wait_for(condition: Callable[[], Any], within: float, what: str, *, interval: float = 0.05) -> Any:
-    """Poll ``condition`` (sync or async) until it returns something truthy; return that.
-
-    Raises ``AssertionError`` naming ``what`` after ``within`` seconds.
-    """
-    deadline = time.monotonic() + within
-    while True:
-        value = condition()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:

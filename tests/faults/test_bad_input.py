@@ -19,10 +19,11 @@ from uuid import uuid4
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
-from workers import WorkerPool, WorkerProcess, finished, wait_for
+from workers import WorkerPool, WorkerProcess, finished
 
 from taskrunner import NewTask, TaskRunner, TaskState, rules
 from taskrunner.errors import InvalidParams, InvalidTask, WriteRejected
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workers import WorkerPool, wait_for
+from workers import WorkerPool
 
 from taskrunner import TaskRunner, TaskState, embedded
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.embedded
 

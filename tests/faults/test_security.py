@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
-from workers import TESTS_DIR, WorkerPool, wait_exit, wait_for
+from workers import TESTS_DIR, WorkerPool, wait_exit
 
 import taskrunner
 from taskrunner import NewTask, TaskRunner, TaskState, rules
 from taskrunner.execution import Execution, error_of
 from taskrunner.redact import redact
 from taskrunner.store.memory import MemoryStore
+from taskrunner.testing import wait_for
 
 Doc = dict[str, Any]
 SECRET = "s3cret"
