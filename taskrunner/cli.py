@@ -850,7 +850,7 @@ def dev_server(
     port: Annotated[int, typer.Option(envvar="TASKRUNNER_DEV_PORT", help="Port to listen on.")] = 27017,
 ) -> None:
     """Serve an embedded MongoDB-compatible server (mongoeco) until SIGINT/SIGTERM."""
-    from taskrunner.embedded import serve
+    from taskrunner.dev.server import serve
 
     def ready(uri: str) -> None:
         print(uri, flush=True)
@@ -867,7 +867,7 @@ def demo(
     workers: Annotated[int, typer.Option(min=2, help="Worker processes to start (one is killed).")] = 3,
 ) -> None:
     """Run everything locally: embedded server, workers, sample tasks, a killed worker's takeover."""
-    from taskrunner.demo import run_demo
+    from taskrunner.dev.demo import run_demo
 
     try:
         ok = asyncio.run(run_demo(console=out, workers=workers))

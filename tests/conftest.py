@@ -9,7 +9,7 @@ from uuid import uuid4
 import pytest
 
 from taskrunner import TaskRunner
-from taskrunner.embedded import ServerThread
+from taskrunner.dev.server import ServerThread
 
 _NO_EMBEDDED = "embedded server needs Python >= 3.13 and the 'embedded' extra"
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from taskrunner.demo import SAMPLES, VICTIM_KEY
+from taskrunner.dev.demo import SAMPLES, VICTIM_KEY
 
 pytest.importorskip("mongoeco", reason="the demo's embedded server needs mongoeco (Python >= 3.13)")
 pytestmark = pytest.mark.embedded

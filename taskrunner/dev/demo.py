@@ -27,13 +27,13 @@ from rich.table import Table
 from rich.text import Text
 
 import taskrunner
-from taskrunner import demo_app
-from taskrunner.embedded import ServerThread
+from taskrunner.dev import demo_app
+from taskrunner.dev.server import ServerThread
 from taskrunner.errors import TaskRunnerError
 from taskrunner.models import EntryState, Task, TaskState, WorkerEntry
 from taskrunner.runner import TaskRunner
 
-APP_REF = "taskrunner.demo_app:runner"
+APP_REF = "taskrunner.dev.demo_app:runner"
 VICTIM_KEY = "slow-2"
 KILL_AFTER = 1.0  # seconds into the victim's run: long enough that it has pinged at least once
 WORKER_SLOTS = 2  # per worker; small, so the batch spreads over every worker
