@@ -40,8 +40,18 @@ def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> N
     """init is idempotent, publish prints the key, show --json returns the stored task."""
     for _ in range(2):
         assert cli("init", uri=mongo_uri, collection=collection_name).returncode == 0
-    published = cli("publish", "resize", "--params", '{"width": 3}', "--key", "img:1", "--priority", "4",
-                    uri=mongo_uri, collection=collection_name)  # fmt: skip
+    published = cli(
+        "publish",
+        "resize",
+        "--params",
+        '{"width": 3}',
+        "--key",
+        "img:1",
+        "--priority",
+        "4",
+        uri=mongo_uri,
+        collection=collection_name,
+    )
     assert published.returncode == 0, published.stderr
     assert published.stdout.strip() == "img:1"
     # --mongo-uri beats the environment (which points nowhere here).
@@ -56,7 +66,12 @@ def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> N
     )
     task = json.loads(shown.stdout)
     assert (task["key"], task["name"], task["params"], task["priority"], task["state"]) == (
-        "img:1", "resize", {"width": 3}, 4, "PENDING")  # fmt: skip
+        "img:1",
+        "resize",
+        {"width": 3},
+        4,
+        "PENDING",
+    )
     table = cli("show", "img:1", uri=mongo_uri, collection=collection_name)
     assert table.returncode == 0 and "PENDING" in table.stdout and "img:1" in table.stdout
 
@@ -79,9 +94,12 @@ def test_invalid_params_name_the_field_and_write_nothing(
         "class P(BaseModel):\n    width: int\n"
         "runner = TaskRunner()\n@runner.task('resize')\nasync def resize(params: P, ctx): ...\n"
     )
-    cases = [(["--params", "{nope"], "params"), (["--params", "[1]"], "params"),
-             (["--params", '{"width": "x"}', "--app", "demo_app:runner"], "params.width"),
-             (["--concurrency", "0"], "options.concurrency")]  # fmt: skip
+    cases = [
+        (["--params", "{nope"], "params"),
+        (["--params", "[1]"], "params"),
+        (["--params", '{"width": "x"}', "--app", "demo_app:runner"], "params.width"),
+        (["--concurrency", "0"], "options.concurrency"),
+    ]
     for args, field in cases:
         result = cli("publish", "resize", *args, uri=mongo_uri, collection=collection_name, cwd=tmp_path)
         assert result.returncode != 0 and field in result.stderr, (args, result.stderr)

@@ -341,9 +341,23 @@ def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
     with dev_server() as (_, uri):
         env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1", "TASKRUNNER_MONGO_URI": uri}
         published = subprocess.run(
-            [sys.executable, "-m", "taskrunner", "publish", "resize", "--params", '{"width": 640}', "--key", "img:42"],
-            capture_output=True, text=True, timeout=60, env=env, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "taskrunner",
+                "publish",
+                "resize",
+                "--params",
+                '{"width": 640}',
+                "--key",
+                "img:42",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
         assert published.returncode == 0, published.stderr
         result = subprocess.run(
             [str(mongosh), uri, "--quiet", "--norc", "--eval", script],
