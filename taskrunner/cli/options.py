@@ -86,32 +86,32 @@ def call(
     return run(once())
 
 
+MongoUri = Annotated[
+    str | None,
+    typer.Option("--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help=f"MongoDB URI (default {DEFAULT_URI})."),
+]
+Database = Annotated[
+    str | None, typer.Option(envvar="TASKRUNNER_DATABASE", help=f"Database (default {f.DEFAULT_DATABASE}).")
+]
+Collection = Annotated[
+    str | None,
+    typer.Option(envvar="TASKRUNNER_COLLECTION", help=f"Task collection (default {f.DEFAULT_COLLECTION})."),
+]
+Timeout = Annotated[float, typer.Option(envvar="TASKRUNNER_TIMEOUT", help="Seconds to wait for the server.")]
+
+
 def _connection_parameters(timeout: float) -> list[inspect.Parameter]:
+    """``--mongo-uri``, ``--database``, ``--collection``, ``--timeout`` as keyword parameters."""
     options = {
-        "mongo_uri": (
-            str | None,
-            typer.Option(
-                "--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help=f"MongoDB URI (default {DEFAULT_URI})."
-            ),
-        ),
-        "database": (
-            str | None,
-            typer.Option(envvar="TASKRUNNER_DATABASE", help=f"Database (default {f.DEFAULT_DATABASE})."),
-        ),
-        "collection": (
-            str | None,
-            typer.Option(
-                envvar="TASKRUNNER_COLLECTION", help=f"Task collection (default {f.DEFAULT_COLLECTION})."
-            ),
-        ),
-        "timeout": (float, typer.Option(envvar="TASKRUNNER_TIMEOUT", help="Seconds to wait for the server.")),
+        "mongo_uri": (MongoUri, None),
+        "database": (Database, None),
+        "collection": (Collection, None),
+        "timeout": (Timeout, timeout),
     }
-    defaults: dict[str, Any] = {"mongo_uri": None, "database": None, "collection": None, "timeout": timeout}
+    keyword = inspect.Parameter.KEYWORD_ONLY
     return [
-        inspect.Parameter(
-            name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name], annotation=Annotated[kind, option]
-        )
-        for name, (kind, option) in options.items()
+        inspect.Parameter(name, keyword, default=default, annotation=kind)
+        for name, (kind, default) in options.items()
     ]
 
 

@@ -68,7 +68,9 @@ def table(
 
 def print_table(console: Console, shown: Table) -> None:
     """The table, or one block of ``column  value`` lines per row when it cannot fit the terminal."""
-    unbounded = console.options.update_width(PIPED_WIDTH)  # measured within the console's width, it always fits
+    unbounded = console.options.update_width(
+        PIPED_WIDTH
+    )  # measured within the console's width, it always fits
     if Measurement.get(console, unbounded, shown).minimum <= console.width:
         console.print(shown)
         return
