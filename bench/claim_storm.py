@@ -21,7 +21,7 @@ from typing import Any
 from common import add_common_args, emit, int_list
 
 from taskrunner import TaskContext, TaskRunner
-from taskrunner.embedded import EmbeddedServer
+from taskrunner.dev.server import EmbeddedServer
 from taskrunner.logs import configure_logging
 from taskrunner.store.base import Claim
 from taskrunner.store.mongo import MongoStore

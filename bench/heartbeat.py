@@ -29,7 +29,7 @@ from common import add_common_args, emit, int_list
 from pymongo import monitoring
 
 from taskrunner import TaskContext, TaskRunner, TaskState
-from taskrunner.embedded import EmbeddedServer
+from taskrunner.dev.server import EmbeddedServer
 from taskrunner.logs import configure_logging
 from taskrunner.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore

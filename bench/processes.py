@@ -2,18 +2,15 @@
 
 ``dev_server()`` runs ``taskrunner dev-server --port 0`` as a subprocess and yields its
 URI; ``Processes`` starts ``taskrunner worker`` (or any other subprocess) with logs to
-files and always SIGKILLs what is left at the end; ``wait_until`` polls a condition.
+files in a tmp dir and always SIGKILLs what is left at the end; ``wait_until`` polls a
+condition. Both build on taskrunner/dev/processes.py, the spawner the demo and tests use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -22,6 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from taskrunner.dev import processes
+from taskrunner.dev.processes import ProcessGroup
+
 BENCH_DIR = Path(__file__).resolve().parent
 APP = "apps:app"
 
@@ -29,83 +29,48 @@ APP = "apps:app"
 @contextmanager
 def dev_server() -> Iterator[str]:
     """Run ``taskrunner dev-server --port 0`` and yield the URI it prints first."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        uri = process.stdout.readline().strip()
-        if not uri.startswith("mongodb://"):
-            raise RuntimeError(f"dev-server printed {uri!r} instead of its URI")
+    with processes.dev_server() as (_, uri):
         yield uri
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 class Processes:
     """Subprocesses whose stdout+stderr go to one file each (in a tmp dir); all SIGKILLed on exit."""
 
     def __init__(self, uri: str, collection: str, env: Mapping[str, str] | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="bench-"))
-        python_path = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "TASKRUNNER_COLLECTION": collection,
-                    "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
-        self.popens: dict[str, subprocess.Popen[bytes]] = {}
+        env = processes.worker_env(uri, collection=collection, python_path=[BENCH_DIR], extra=env)
+        self.group = ProcessGroup(Path(tempfile.mkdtemp(prefix="bench-")), env)
+
+    @property
+    def names(self) -> list[str]:
+        """Every process started, by name."""
+        return list(self.group.processes)
 
     def start(self, name: str, command: list[str], env: Mapping[str, str] | None = None) -> None:
-        with self.log(name).open("ab") as out:
-            self.popens[name] = subprocess.Popen(
-                command, env={**self.env, **(env or {})}, cwd=self.dir,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-            )  # fmt: skip
+        self.group.start(name, command, env)
 
     def worker(self, worker_id: str, *args: str, env: Mapping[str, str] | None = None) -> None:
         """Start ``taskrunner worker --app apps:app --worker-id ID --log-format json ARGS``."""
-        command = [sys.executable, "-m", "taskrunner", "worker", "--app", APP, "--worker-id", worker_id,
-                   "--log-format", "json", *args]  # fmt: skip
-        self.start(worker_id, command, env)
-
-    def log(self, name: str) -> Path:
-        return self.dir / f"{name}.log"
+        self.group.worker(worker_id, APP, *args, env=env)
 
     def events(self, name: str, event: str) -> list[dict[str, Any]]:
         """JSON log lines of ``name`` whose ``event`` is ``event``."""
-        found = []
-        for line in self.log(name).read_text(errors="replace").splitlines():
-            try:
-                parsed = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(parsed, dict) and parsed.get("event") == event:
-                found.append(parsed)
-        return found
+        return self.group[name].find(event)
 
     def signal(self, name: str, signum: int) -> None:
-        if self.popens[name].poll() is None:
-            os.kill(self.popens[name].pid, signum)
+        self.group[name].send(signum)
 
     async def wait_exit(self, name: str, within: float) -> None:
-        deadline = time.monotonic() + within
-        while self.popens[name].poll() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not exit within {within}s")
-            await asyncio.sleep(0.05)
+        await self.group[name].exited(within)
 
     def tail(self, name: str, lines: int = 20) -> str:
-        return "\n".join(self.log(name).read_text(errors="replace").splitlines()[-lines:])
+        return self.group[name].tail(lines)
 
     def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for popen in self.popens.values():
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGKILL)
-        for popen in self.popens.values():
-            popen.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)  # callers print log tails before leaving
+        self.group.kill_all()
+        shutil.rmtree(self.group.directory, ignore_errors=True)  # callers print log tails before leaving
 
 
 async def wait_until(condition: Any, within: float, what: str, interval: float = 0.01) -> Any:

@@ -28,7 +28,7 @@ from common import add_common_args, emit, int_list
 from pymongo import AsyncMongoClient
 
 from taskrunner import TaskContext, TaskRunner
-from taskrunner.embedded import EmbeddedServer
+from taskrunner.dev.server import EmbeddedServer
 from taskrunner.logs import configure_logging
 from taskrunner.models import TaskState
 from taskrunner.roundtrips import RoundTripCounter

@@ -119,7 +119,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 await fleet.grow(2)  # the owner and at least one idle worker to take over
                 samples[signame].append(await sample(fleet, f"{signame}-{i}", signame, args))
         except Exception:
-            for name in procs.popens:
+            for name in procs.names:
                 print(f"--- {name}\n{procs.tail(name)}")
             raise
         finally:

@@ -174,7 +174,7 @@ def memory_runner() -> MemoryRunnerFactory:
 @pytest.fixture(scope="session")
 def embedded_uri() -> Iterator[str]:
     """URI of an embedded MongoDB-compatible server shared by the session (skips without mongoeco)."""
-    from taskrunner.embedded import ServerThread
+    from taskrunner.dev.server import ServerThread
 
     try:
         server = ServerThread()

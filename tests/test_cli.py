@@ -6,16 +6,25 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pymongo import MongoClient
+from rich.console import Console
+from typer.testing import CliRunner
 
-pytestmark = pytest.mark.mongo
+from taskrunner.cli import app, render
+from taskrunner.models import Task
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args: str, uri: str, collection: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "TASKRUNNER_COLLECTION": collection}
+def cli(
+    *args: str, uri: str, collection: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "TASKRUNNER_COLLECTION": collection, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "taskrunner", *args],
         capture_output=True,
@@ -26,12 +35,23 @@ def cli(*args: str, uri: str, collection: str, cwd: Path | None = None) -> subpr
     )
 
 
+@pytest.mark.mongo
 def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> None:
     """init is idempotent, publish prints the key, show --json returns the stored task."""
     for _ in range(2):
         assert cli("init", uri=mongo_uri, collection=collection_name).returncode == 0
-    published = cli("publish", "resize", "--params", '{"width": 3}', "--key", "img:1", "--priority", "4",
-                    uri=mongo_uri, collection=collection_name)  # fmt: skip
+    published = cli(
+        "publish",
+        "resize",
+        "--params",
+        '{"width": 3}',
+        "--key",
+        "img:1",
+        "--priority",
+        "4",
+        uri=mongo_uri,
+        collection=collection_name,
+    )
     assert published.returncode == 0, published.stderr
     assert published.stdout.strip() == "img:1"
     # --mongo-uri beats the environment (which points nowhere here).
@@ -46,11 +66,17 @@ def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> N
     )
     task = json.loads(shown.stdout)
     assert (task["key"], task["name"], task["params"], task["priority"], task["state"]) == (
-        "img:1", "resize", {"width": 3}, 4, "PENDING")  # fmt: skip
+        "img:1",
+        "resize",
+        {"width": 3},
+        4,
+        "PENDING",
+    )
     table = cli("show", "img:1", uri=mongo_uri, collection=collection_name)
     assert table.returncode == 0 and "PENDING" in table.stdout and "img:1" in table.stdout
 
 
+@pytest.mark.mongo
 def test_publish_twice_reports_the_existing_task(mongo_uri: str, collection_name: str) -> None:
     """Publishing an existing key prints its key, says it was not created, and exits 0."""
     for _ in range(2):
@@ -58,6 +84,7 @@ def test_publish_twice_reports_the_existing_task(mongo_uri: str, collection_name
     assert result.returncode == 0 and result.stdout.strip() == "dup" and "not created" in result.stderr
 
 
+@pytest.mark.mongo
 def test_invalid_params_name_the_field_and_write_nothing(
     mongo_uri: str, collection_name: str, tmp_path: Path
 ) -> None:
@@ -67,9 +94,12 @@ def test_invalid_params_name_the_field_and_write_nothing(
         "class P(BaseModel):\n    width: int\n"
         "runner = TaskRunner()\n@runner.task('resize')\nasync def resize(params: P, ctx): ...\n"
     )
-    cases = [(["--params", "{nope"], "params"), (["--params", "[1]"], "params"),
-             (["--params", '{"width": "x"}', "--app", "demo_app:runner"], "params.width"),
-             (["--concurrency", "0"], "options.concurrency")]  # fmt: skip
+    cases = [
+        (["--params", "{nope"], "params"),
+        (["--params", "[1]"], "params"),
+        (["--params", '{"width": "x"}', "--app", "demo_app:runner"], "params.width"),
+        (["--concurrency", "0"], "options.concurrency"),
+    ]
     for args, field in cases:
         result = cli("publish", "resize", *args, uri=mongo_uri, collection=collection_name, cwd=tmp_path)
         assert result.returncode != 0 and field in result.stderr, (args, result.stderr)
@@ -79,6 +109,7 @@ def test_invalid_params_name_the_field_and_write_nothing(
     assert missing.returncode == 1 and "no task with key 'anything'" in missing.stderr
 
 
+@pytest.mark.mongo
 def test_unreachable_server_fails_fast_with_redacted_uri(collection_name: str) -> None:
     """A dead server gives a clear error within the timeout and never prints the password."""
     result = cli(
@@ -86,3 +117,132 @@ def test_unreachable_server_fails_fast_with_redacted_uri(collection_name: str) -
     )
     assert result.returncode == 1 and "MongoDB unavailable" in result.stderr
     assert "s3cret" not in result.stderr + result.stdout
+
+
+@pytest.mark.mongo
+def test_show_json_stays_valid_json_in_a_narrow_terminal(mongo_uri: str, collection_name: str) -> None:
+    """`show --json` at COLUMNS=40 prints JSON that parses, long values unbroken."""
+    path = "/" + "very-long-directory-name/" * 6 + "image.png"
+    long = {"path": path, "sizes": list(range(30))}
+    published = cli(
+        "publish",
+        "resize",
+        "--params",
+        json.dumps(long),
+        "--key",
+        "k" * 60,
+        uri=mongo_uri,
+        collection=collection_name,
+    )
+    assert published.returncode == 0, published.stderr
+    shown = cli("show", "k" * 60, "--json", uri=mongo_uri, collection=collection_name, env={"COLUMNS": "40"})
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["params"] == long
+    table = cli("show", "k" * 60, uri=mongo_uri, collection=collection_name, env={"COLUMNS": "40"})
+    assert "k" * 60 in table.stdout and path in table.stdout  # piped: one line per value
+
+
+def _task_with_entries(**entry: Any) -> Task:
+    now = datetime.now(UTC)
+    run = {
+        "worker_id": "worker-with-a-long-host-name-1234-abcdef",
+        "run_id": "0123456789abcdef",
+        "state": "SUCCESS",
+        "claimed_at": now,
+        "ping_at": now,
+        "expires_at": now + timedelta(seconds=30),
+        "finished_at": now,
+        "result": {"resized": "/tmp/some/long/output/path/image-640x480.png"},
+        **entry,
+    }
+    return Task.model_validate(
+        {
+            "key": "img:1",
+            "name": "resize",
+            "params": {"width": 640},
+            "priority": 0,
+            "created_at": now,
+            "updated_at": now,
+            "run_at": now,
+            "options": {},
+            "workers": [run],
+            "state": "SUCCESS",
+        }
+    )
+
+
+def test_show_never_cuts_a_value_in_a_narrow_terminal() -> None:
+    """At 80 columns and less `show` cuts no cell ('…'): each value is whole, folded onto more lines if need be."""
+    task = _task_with_entries()
+    values = [task.workers[0].worker_id, "SUCCESS", json.dumps(task.workers[0].result), "img:1"]
+    for width in (80, 50):
+        console = Console(width=width, force_terminal=True, color_system=None)
+        with console.capture() as captured:
+            render.print_task(console, task)
+        shown = captured.get()
+        assert "…" not in shown and max(map(len, shown.splitlines())) <= width, shown
+        unfolded = "".join(shown.split())
+        assert all("".join(value.split()) in unfolded for value in values), shown
+
+
+def test_help_shows_no_value_type_for_flags() -> None:
+    """`--help` and flags such as `--json` show no `<bool>`: a flag takes no value."""
+    for args in (["--help"], ["show", "--help"], ["schedules", "--help"], ["worker", "--help"]):
+        result = CliRunner(env={"COLUMNS": "120"}).invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output and "--help" in result.output, result.output
+    assert "<float>" in CliRunner().invoke(app, ["show", "--help"]).output  # valued options keep theirs
+
+
+def test_app_reference_errors_say_what_is_missing() -> None:
+    """`--app` names the missing attribute or module on one line, never "NoneType", exit 1."""
+    cases = {
+        "examples.app:nosuch": "module 'examples.app' has no attribute 'nosuch' (its TaskRunner objects: runner)",
+        "examples.nosuch:runner": "no module named 'examples.nosuch'",
+        "examples.app:TaskRunner": "'TaskRunner' is a type, not a TaskRunner",
+        "examples.app": "--app must look like MODULE:OBJECT",
+    }
+    for reference, message in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-m", "taskrunner", "publish", "x", "--app", reference],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert result.returncode == 1 and message in result.stderr, (reference, result.stderr)
+        assert "NoneType" not in result.stderr and "Traceback" not in result.stderr
+
+
+_SIGNALLED = """
+import asyncio, os, signal, sys
+from taskrunner.cli.signals import Signalled, cancelled_by_signal
+
+async def work():
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(30)
+    finally:
+        print("cleaned up", flush=True)
+        if sys.argv[1] == "twice":
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(30)
+
+try:
+    asyncio.run(cancelled_by_signal(work(), at_once="bye"))
+except Signalled as stopped:
+    print("stopped by", stopped.signum.name)
+"""
+
+
+def test_first_signal_stops_gracefully_and_a_second_exits_at_once() -> None:
+    """The first SIGTERM cancels the command and its cleanup runs; a second signal exits 1 on the spot."""
+    once = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED, "once"], capture_output=True, text=True, timeout=60
+    )
+    assert once.returncode == 0 and once.stdout.split("\n")[:2] == ["cleaned up", "stopped by SIGTERM"], once
+    twice = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED, "twice"], capture_output=True, text=True, timeout=60
+    )
+    assert twice.returncode == 1 and "stopped by" not in twice.stdout, twice
+    assert "second signal: bye" in twice.stderr

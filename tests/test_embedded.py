@@ -21,7 +21,7 @@ from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.errors import OperationFailure
 from workers import dev_server
 
-from taskrunner.embedded import EmbeddedServer
+from taskrunner.dev.server import EmbeddedServer
 
 pytestmark = pytest.mark.embedded
 
@@ -259,7 +259,7 @@ def test_missing_mongoeco_imports_but_refuses_to_start() -> None:
     """Without mongoeco the module still imports, and constructing a server raises RuntimeError."""
     script = (
         "import sys; sys.modules['mongoeco'] = None\n"
-        "import taskrunner.embedded as embedded\n"
+        "import taskrunner.dev.server as embedded\n"
         "for build in (embedded.EmbeddedServer, embedded.ServerThread):\n"
         "    try: build()\n"
         "    except RuntimeError as error: print(error)\n"
@@ -292,7 +292,7 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
         if not broken and stream._hub._events[-1].token != 1:
             broken.append("hub event snapshots lost their integer .token")
         stream.close()
-    assert not broken, "mongoeco internals used by taskrunner/embedded.py changed: " + "; ".join(broken)
+    assert not broken, "mongoeco internals used by taskrunner/dev/server.py changed: " + "; ".join(broken)
     assert encode_change_stream_token(1) == "eyJ2IjoxLCJ0IjoxfQ"
 
 
@@ -341,9 +341,23 @@ def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
     with dev_server() as (_, uri):
         env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1", "TASKRUNNER_MONGO_URI": uri}
         published = subprocess.run(
-            [sys.executable, "-m", "taskrunner", "publish", "resize", "--params", '{"width": 640}', "--key", "img:42"],
-            capture_output=True, text=True, timeout=60, env=env, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "taskrunner",
+                "publish",
+                "resize",
+                "--params",
+                '{"width": 640}',
+                "--key",
+                "img:42",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
         assert published.returncode == 0, published.stderr
         result = subprocess.run(
             [str(mongosh), uri, "--quiet", "--norc", "--eval", script],

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from taskrunner import TaskRunner, roundtrips
-from taskrunner.cli import _count_roundtrips
+from taskrunner.cli.worker import count_roundtrips
 from taskrunner.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
 
@@ -34,11 +34,11 @@ async def test_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``TASKRUNNER_COUNT_ROUNDTRIPS=1`` gives the worker a counting store; unset leaves it alone."""
     runner = TaskRunner("mongodb://127.0.0.1:1")
     monkeypatch.delenv(roundtrips.ENV_VAR, raising=False)
-    same, counter = _count_roundtrips(runner)
+    same, counter = count_roundtrips(runner)
     assert same is runner
     assert counter is None
     monkeypatch.setenv(roundtrips.ENV_VAR, "1")
-    counted, counter = _count_roundtrips(runner)
+    counted, counter = count_roundtrips(runner)
     assert counter is not None
     assert isinstance(counted.store, MongoStore)
     try:

@@ -15,6 +15,7 @@ The API, kept small for every test module that needs worker processes::
         changes.documents           # (monotonic receive time, fullDocument) of every event
 
 Workers run ``python -m taskrunner worker --app APP --worker-id ID --log-format json``
+(started by taskrunner/dev/processes.py, as the demo's and the benchmarks' are)
 with ``tests/`` on ``PYTHONPATH`` (so ``apps.acceptance_app:runner`` imports), the
 URI and collection in ``TASKRUNNER_MONGO_URI``/``TASKRUNNER_COLLECTION``, and
 ``ACCEPTANCE_MARKS`` pointing at the pool's marks directory. Leaving the pool
@@ -26,13 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -40,7 +35,10 @@ from typing import Any, TypeVar
 from pymongo import AsyncMongoClient
 
 from taskrunner import Task, TaskRunner
+from taskrunner.dev.processes import LoggedProcess, ProcessGroup, dev_server, worker_env
 from taskrunner.testing import wait_for
+
+__all__ = ["ChangeRecorder", "WorkerPool", "WorkerProcess", "dev_server", "finished", "wait_exit", "wait_for"]
 
 TESTS_DIR = Path(__file__).resolve().parent
 ACCEPTANCE_APP = "apps.acceptance_app:runner"
@@ -48,61 +46,8 @@ T = TypeVar("T")
 Doc = dict[str, Any]
 
 
-class WorkerProcess:
-    """One ``taskrunner worker`` process; its stderr (JSON log lines) goes to ``log_path``."""
-
-    def __init__(self, worker_id: str, popen: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.worker_id, self.popen, self.log_path = worker_id, popen, log_path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def send(self, signum: int) -> None:
-        if self.alive():
-            os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        """SIGTERM: stop claiming, give handlers --shutdown-timeout, release their claims."""
-        self.send(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send(signal.SIGKILL)
-
-    def pause(self) -> None:
-        self.send(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.send(signal.SIGCONT)
-
-    def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout)
-
-    def logs(self) -> list[Doc]:
-        """Every log line so far; a line that is not JSON becomes ``{"event": None, "raw": line}``."""
-        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
-        out: list[Doc] = []
-        for line in lines:
-            try:
-                parsed = json.loads(line)
-            except json.JSONDecodeError:
-                parsed = None
-            out.append(parsed if isinstance(parsed, dict) else {"event": None, "raw": line})
-        return out
-
-    def find(self, event: str, **fields: Any) -> list[Doc]:
-        """Log events named ``event`` whose fields equal ``fields``."""
-        return [
-            e
-            for e in self.logs()
-            if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())
-        ]
-
-    def __repr__(self) -> str:
-        return f"WorkerProcess({self.worker_id!r}, pid={self.pid})"
+# A worker process of the tests: taskrunner.dev.processes starts the demo's and benchmarks' too.
+WorkerProcess = LoggedProcess
 
 
 class WorkerPool:
@@ -118,28 +63,20 @@ class WorkerPool:
         database: str = "taskrunner",
         env: dict[str, str] | None = None,
     ) -> None:
-        self.uri, self.collection, self.database, self.app = uri, collection, database, app
-        self.dir = tmp_path
+        self.app = app
         self.marks_dir = tmp_path / "marks"
         self.marks_dir.mkdir(parents=True, exist_ok=True)
-        self.workers: list[WorkerProcess] = []
-        python_path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "TASKRUNNER_COLLECTION": collection,
-                    "TASKRUNNER_DATABASE": database, "PYTHONPATH": python_path,
-                    "ACCEPTANCE_MARKS": str(self.marks_dir), "PYTHONUNBUFFERED": "1", **(env or {})}  # fmt: skip
+        extra = {"ACCEPTANCE_MARKS": str(self.marks_dir), **(env or {})}
+        env = worker_env(uri, collection=collection, database=database, python_path=[TESTS_DIR], extra=extra)
+        self.group = ProcessGroup(tmp_path, env)
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return list(self.group.processes.values())
 
     def start(self, worker_id: str, *args: str) -> WorkerProcess:
         """Start ``taskrunner worker`` with this id; ``args`` are extra CLI options."""
-        log_path = self.dir / f"{worker_id}.log"
-        command = [sys.executable, "-m", "taskrunner", "worker", "--app", self.app, "--worker-id", worker_id,
-                   "--log-format", "json", *args]  # fmt: skip
-        with log_path.open("ab") as stderr:
-            popen = subprocess.Popen(
-                command, env=self.env, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr
-            )
-        worker = WorkerProcess(worker_id, popen, log_path)
-        self.workers.append(worker)
-        return worker
+        return self.group.worker(worker_id, self.app, *args)
 
     def start_many(self, worker_ids: list[str], *args: str) -> list[WorkerProcess]:
         return [self.start(worker_id, *args) for worker_id in worker_ids]
@@ -153,11 +90,7 @@ class WorkerPool:
         )
 
     def stop_all(self) -> None:
-        for worker in self.workers:
-            worker.resume()
-            worker.kill()
-        for worker in self.workers:
-            worker.popen.wait(10)
+        self.group.kill_all()
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -165,15 +98,10 @@ class WorkerPool:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop_all()
+        self.group.kill_all()
         if exc is not None:
             for worker in self.workers:
-                tail = (
-                    worker.log_path.read_text(errors="replace").splitlines()[-40:]
-                    if worker.log_path.exists()
-                    else []
-                )
-                print(f"--- {worker.worker_id} (exit {worker.popen.returncode}) ---", *tail, sep="\n")
+                print(f"--- {worker.worker_id} (exit {worker.returncode}) ---", worker.tail(40), sep="\n")
 
 
 async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
@@ -184,10 +112,10 @@ async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
 
 async def wait_exit(worker: WorkerProcess, within: float) -> int:
     """The worker's exit code, waiting without blocking the event loop."""
-    await wait_for(lambda: not worker.alive(), within, f"{worker.worker_id} to exit")
-    code = worker.popen.returncode
-    assert code is not None
-    return code
+    try:
+        return await worker.exited(within)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within}s waiting for {worker.worker_id} to exit") from None
 
 
 class ChangeRecorder:
@@ -226,23 +154,3 @@ class ChangeRecorder:
 
     def of(self, key: str) -> list[tuple[float, Doc]]:
         return [(t, doc) for t, doc in self.documents if doc.get("key") == key]
-
-
-@contextmanager
-def dev_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Runs `taskrunner dev-server --port 0` and yields it with the URI it printed."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        uri = process.stdout.readline().strip()
-        assert uri.startswith("mongodb://127.0.0.1:"), process.stderr and process.stderr.read()
-        yield process, uri
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()

@@ -28,7 +28,7 @@ from pymongo.errors import WriteError
 from workers import ChangeRecorder, WorkerPool, WorkerProcess
 
 from taskrunner import EntryState, InvalidTask, NewTask, Task, TaskContext, TaskRunner, TaskState
-from taskrunner.embedded import EmbeddedServer
+from taskrunner.dev.server import EmbeddedServer
 from taskrunner.store.memory import MemoryStore
 from taskrunner.testing import wait_for
 from taskrunner.worker import Worker

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from workers import WorkerPool
 
-from taskrunner import TaskRunner, TaskState, embedded
+from taskrunner import TaskRunner, TaskState
+from taskrunner.dev import server as embedded
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.embedded

@@ -1,4 +1,4 @@
-"""The handlers `taskrunner demo` runs; its workers load ``taskrunner.demo_app:runner``.
+"""The handlers `taskrunner demo` runs; its workers load ``taskrunner.dev.demo_app:runner``.
 
 It lives inside the package (not under examples/) so a worker process finds it from
 any working directory.

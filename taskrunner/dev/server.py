@@ -45,14 +45,11 @@ and cross-type comparisons differ from MongoDB.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import ipaddress
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -575,33 +572,17 @@ class EmbeddedServer:
         await self.stop()
 
 
-async def _wait_for_stop_signal() -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    installed: list[signal.Signals] = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        # Outside the main thread (or on Windows) only cancellation can stop us.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signum, stop.set)
-            installed.append(signum)
-    try:
-        await stop.wait()
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
-
-
 async def serve(
     host: str = "127.0.0.1",
     port: int = 27017,
     *,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Run an embedded server until SIGINT/SIGTERM or cancellation, then stop it cleanly."""
+    """Run an embedded server until cancelled (``taskrunner dev-server``: until SIGINT/SIGTERM)."""
     async with EmbeddedServer(host, port) as server:
         if on_ready is not None:
             on_ready(server.uri)
-        await _wait_for_stop_signal()
+        await asyncio.Event().wait()
 
 
 class ServerThread:
@@ -653,16 +634,3 @@ class ServerThread:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Serve until interrupted, printing the URI as the first stdout line."""
-    parser = argparse.ArgumentParser(description="Embedded MongoDB-compatible server (no auth).")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=27017)
-    args = parser.parse_args(argv)
-    asyncio.run(serve(args.host, args.port, on_ready=lambda uri: print(uri, flush=True)))
-
-
-if __name__ == "__main__":
-    main()

@@ -3,43 +3,44 @@
 It starts the embedded server, three real ``taskrunner worker`` processes and a batch
 of sample tasks, SIGKILLs the worker running ``slow-2`` mid-run, and shows live how
 another worker takes the task over once the dead worker's lease expires. The demo only
-watches the documents (as any operator could); the workers do all the work.
+watches the documents (as any operator could); the workers do all the work. Each run is
+drawn on the demo's timeline, so the concurrency-2 task's two runs show side by side.
+Worker logs go to a temporary directory, removed at the end unless the demo failed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
+import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-import taskrunner
-from taskrunner import demo_app
-from taskrunner.embedded import ServerThread
+from taskrunner.dev import demo_app
+from taskrunner.dev.processes import ProcessGroup, worker_env
+from taskrunner.dev.server import ServerThread
 from taskrunner.errors import TaskRunnerError
 from taskrunner.models import EntryState, Task, TaskState, WorkerEntry
 from taskrunner.runner import TaskRunner
 
-APP_REF = "taskrunner.demo_app:runner"
+APP_REF = "taskrunner.dev.demo_app:runner"
 VICTIM_KEY = "slow-2"
 KILL_AFTER = 1.0  # seconds into the victim's run: long enough that it has pinged at least once
 WORKER_SLOTS = 2  # per worker; small, so the batch spreads over every worker
 POLL_SECONDS = 0.2
 DEADLINE_SECONDS = 60.0  # a healthy run takes ~10 s; past this something is wrong
 STOP_GRACE_SECONDS = 5.0
+TIMELINE_WIDTH = 24  # characters for the whole run so far
+RUNS_COLUMN = "runs (timeline: overlapping bars ran at the same time)"
 # Short heartbeats so the takeover happens within seconds instead of the default 30.
 TIMINGS = {"ping_interval": 0.5, "ping_timeout": 2.0, "retry_backoff": 1.0, "max_failures": 3}
 STATE_STYLES = {"PENDING": "dim", "RUNNING": "yellow", "SUCCESS": "green", "FAIL": "red", "CANCELED": "red"}
@@ -58,8 +59,15 @@ class Sample:
     concurrency: int = 1
 
     def spec(self) -> dict[str, Any]:
-        return {"key": self.key, "name": self.name, "params": {"seconds": self.seconds},
-                "priority": self.priority, "concurrency": self.concurrency, **TIMINGS}  # fmt: skip
+        params = {"seconds": self.seconds}
+        return {
+            "key": self.key,
+            "name": self.name,
+            "params": params,
+            "priority": self.priority,
+            "concurrency": self.concurrency,
+            **TIMINGS,
+        }
 
 
 # Priorities interleave slow and other tasks, so the first worker up does not grab two
@@ -92,8 +100,10 @@ class Takeover:
     after: float  # seconds from the kill to the new owner's claim
 
     def describe(self) -> str:
-        return (f"takeover: {self.key} was running on {self.lost.worker_id} (killed), "
-                f"taken over by {self.owner} after {self.after:.1f} s")  # fmt: skip
+        return (
+            f"takeover: {self.key} was running on {self.lost.worker_id} (killed), "
+            f"taken over by {self.owner} after {self.after:.1f} s"
+        )
 
 
 @dataclass
@@ -108,26 +118,41 @@ class Observed:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def timeline_span(self) -> tuple[datetime, float]:
+        """The timeline's origin (the first claim) and its length in seconds (to the last finish, or now)."""
+        entries = [e for task in self.tasks.values() for e in task.workers]
+        now = datetime.now(UTC)  # the embedded server runs on this machine: its clock is ours
+        origin = min((e.claimed_at for e in entries), default=now)
+        end = max((e.finished_at or now for e in entries), default=now)
+        return origin, max((end - origin).total_seconds(), 0.1)
+
     def finished(self) -> bool:
         return len(self.tasks) == len(SAMPLES) and all(t.state.finished for t in self.tasks.values())
 
     def new_takeovers(self) -> list[Takeover]:
         if self.kill is None:
             return []
-        found = [_takeover(self.tasks[key], lost, self.kill.at) for key, lost in self.kill.runs.items()
-                 if key not in self.takeovers and key in self.tasks]  # fmt: skip
+        pending = [(key, lost) for key, lost in self.kill.runs.items() if key not in self.takeovers]
+        found = [_takeover(self.tasks[key], lost, self.kill.at) for key, lost in pending if key in self.tasks]
         new = [t for t in found if t is not None]
         self.takeovers.update((t.key, t) for t in new)
         return new
 
     def problems(self) -> list[str]:
-        wrong = [f"{s.key} is {self.tasks[s.key].state if s.key in self.tasks else 'missing'}"
-                 for s in SAMPLES if s.key not in self.tasks or self.tasks[s.key].state is not TaskState.SUCCESS]  # fmt: skip
+        wrong = [
+            f"{s.key} is {_state_of(self.tasks.get(s.key))}"
+            for s in SAMPLES
+            if s.key not in self.tasks or self.tasks[s.key].state is not TaskState.SUCCESS
+        ]
         if self.kill is None:
             wrong.append(f"no worker was killed ({VICTIM_KEY} never ran long enough)")
         else:
             wrong += [f"{key} was never taken over" for key in self.kill.runs if key not in self.takeovers]
         return wrong + (["timed out"] if self.timed_out else [])
+
+
+def _state_of(task: Task | None) -> str:
+    return "missing" if task is None else task.state.value
 
 
 def _takeover(task: Task, lost: WorkerEntry, killed_at: datetime) -> Takeover | None:
@@ -141,6 +166,10 @@ def _takeover(task: Task, lost: WorkerEntry, killed_at: datetime) -> Takeover | 
     return Takeover(task.key, lost, owner.worker_id, (owner.claimed_at - killed_at).total_seconds())
 
 
+def _running_on(task: Task, worker_id: str) -> list[WorkerEntry]:
+    return [e for e in task.workers if e.worker_id == worker_id and e.state is EntryState.RUNNING]
+
+
 def _running_entry(task: Task | None) -> WorkerEntry | None:
     entries = task.workers if task else []
     return next((e for e in entries if e.state is EntryState.RUNNING), None)
@@ -148,65 +177,44 @@ def _running_entry(task: Task | None) -> WorkerEntry | None:
 
 # -- worker processes -----------------------------------------------------------------------------
 class WorkerPool:
-    """The demo's worker processes; all of them are gone once ``stop`` returns."""
+    """The demo's worker processes, logging to a temporary directory; all gone once ``stop`` returns."""
 
     def __init__(self, runner: TaskRunner) -> None:
-        self.runner = runner
-        fd, self.log_path = tempfile.mkstemp(prefix="taskrunner-demo-", suffix=".jsonl")
-        os.close(fd)
-        # JSON logs go to a file, not the terminal; append mode because the workers share it.
-        self.log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115  (closed by stop)
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.log_dir = Path(tempfile.mkdtemp(prefix="taskrunner-demo-"))
+        env = worker_env(runner.mongo_uri, database=runner.database, collection=runner.collection)
+        self.group = ProcessGroup(self.log_dir, env)
         self.killed: set[str] = set()
 
-    def env(self) -> dict[str, str]:
-        # The workers must use the demo's server and collection whatever the caller's
-        # environment says, and import this very taskrunner (from any cwd).
-        package_root = str(Path(taskrunner.__file__).resolve().parents[1])
-        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        return {**os.environ, "PYTHONPATH": path, "TASKRUNNER_MONGO_URI": self.runner.mongo_uri,
-                "TASKRUNNER_DATABASE": self.runner.database, "TASKRUNNER_COLLECTION": self.runner.collection}  # fmt: skip
+    @property
+    def names(self) -> list[str]:
+        return list(self.group.processes)
 
-    async def start(self, count: int) -> None:
-        env = self.env()
+    def start(self, count: int) -> None:
         for i in range(1, count + 1):
-            worker_id = f"demo-w{i}"
-            self.procs[worker_id] = await asyncio.create_subprocess_exec(
-                *_worker_command(worker_id), env=env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=self.log, stderr=self.log,
-            )  # fmt: skip
+            args = ("--concurrency", str(WORKER_SLOTS), "--log-level", "warning")
+            self.group.worker(f"demo-w{i}", APP_REF, *args)
 
     async def kill(self, worker_id: str) -> int:
         """SIGKILL: no graceful release, so only lease expiry can free its tasks."""
-        proc = self.procs[worker_id]
+        process = self.group[worker_id]
         self.killed.add(worker_id)
-        proc.kill()
-        await proc.wait()
-        return proc.pid
+        process.kill()
+        await process.exited(STOP_GRACE_SECONDS)
+        return process.pid
 
     def check(self) -> None:
-        for worker_id, proc in self.procs.items():
-            if proc.returncode is not None and worker_id not in self.killed:
-                raise DemoError(f"worker {worker_id} exited with code {proc.returncode}; see {self.log_path}")
+        for name, process in self.group.processes.items():
+            if process.returncode is not None and name not in self.killed:
+                raise DemoError(
+                    f"worker {name} exited with code {process.returncode}; logs kept in {self.log_dir}"
+                )
 
     async def stop(self) -> None:
-        alive = [p for p in self.procs.values() if p.returncode is None]
-        for proc in alive:
-            with suppress(ProcessLookupError):
-                proc.terminate()  # graceful: a worker releases its claims
-        with suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in alive)), STOP_GRACE_SECONDS)
-        for proc in alive:
-            if proc.returncode is None:
-                with suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        self.log.close()
+        """SIGTERM (workers release their claims), then SIGKILL whatever outlives the grace."""
+        await self.group.terminate_all(STOP_GRACE_SECONDS)
 
-
-def _worker_command(worker_id: str) -> list[str]:
-    return [sys.executable, "-m", "taskrunner", "worker", "--app", APP_REF, "--worker-id", worker_id,
-            "--concurrency", str(WORKER_SLOTS), "--log-format", "json", "--log-level", "warning"]  # fmt: skip
+    def remove_logs(self) -> None:
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -225,12 +233,33 @@ def _entry_text(entry: WorkerEntry, *, lost: bool = False) -> Text:
     return Text(f"{entry.worker_id} ▶ running #{entry.attempt}", style="yellow")
 
 
+def timeline(start: float, end: float, span: float, width: int = TIMELINE_WIDTH) -> str:
+    """A bar over ``width`` characters covering seconds ``start`` to ``end`` of ``span``."""
+    scale = width / max(span, 1e-9)
+    first = min(max(int(start * scale), 0), width - 1)
+    last = min(max(round(end * scale), first + 1), width)
+    return " " * first + "━" * (last - first) + " " * (width - last)
+
+
+def _ran(entry: WorkerEntry, observed: Observed, origin: datetime, *, lost: bool) -> tuple[float, float]:
+    """Seconds since ``origin`` when the run started and ended (now, while it runs)."""
+    end = observed.kill.at if lost and observed.kill else entry.finished_at or datetime.now(UTC)
+    return (entry.claimed_at - origin).total_seconds(), (end - origin).total_seconds()
+
+
 def _workers_cell(task: Task, observed: Observed, *, note_takeover: bool = True) -> Text:
-    # The killed run stays listed after a claim drops it from the document; claim order.
+    """One line per run, drawn on the demo's timeline: overlapping bars ran at the same time."""
+    # The killed run stays listed after a claim drops it from the document.
     lost = observed.kill.runs.get(task.key) if observed.kill else None
     entries = [e for e in task.workers if lost is None or e.run_id != lost.run_id] + ([lost] if lost else [])
-    entries.sort(key=lambda e: e.attempt)
-    cell = Text(" → ").join(_entry_text(e, lost=e is lost) for e in entries)
+    entries.sort(key=lambda e: e.claimed_at)
+    origin, span = observed.timeline_span()
+    lines = []
+    for entry in entries:
+        start, end = _ran(entry, observed, origin, lost=entry is lost)
+        line = Text(timeline(start, end, span), style="cyan")
+        lines.append(line.append(" ").append_text(_entry_text(entry, lost=entry is lost)))
+    cell = Text("\n").join(lines)
     if note_takeover and task.key in observed.takeovers:
         cell.append(f"  (takeover after {observed.takeovers[task.key].after:.1f} s)", style="bold")
     return cell
@@ -242,20 +271,20 @@ def _rows(observed: Observed) -> Iterable[tuple[Sample, Task | None]]:
 
 def progress_table(observed: Observed) -> Table:
     table = Table(title=f"taskrunner demo  {observed.elapsed():5.1f} s", title_justify="left")
-    for column in ("key", "name", "state", "failures", "workers (entries)"):
-        table.add_column(column, no_wrap=column != "workers (entries)")
+    for column in ("key", "name", "state", "failures", RUNS_COLUMN):
+        table.add_column(column, no_wrap=column != RUNS_COLUMN)
     for sample, task in _rows(observed):
         if task is None:
             table.add_row(sample.key, sample.name, "-", "-", "")
             continue
-        table.add_row(task.key, task.name, _state_text(task.state.value), str(task.failures),
-                      _workers_cell(task, observed))  # fmt: skip
+        state = _state_text(task.state.value)
+        table.add_row(task.key, task.name, state, str(task.failures), _workers_cell(task, observed))
     return table
 
 
 def summary_table(observed: Observed) -> Table:
     table = Table(title="Final summary", title_justify="left")
-    for column in ("key", "state", "failures", "ran on (in claim order)"):
+    for column in ("key", "state", "failures", RUNS_COLUMN):
         table.add_column(column, no_wrap=column == "key")
     for sample, task in _rows(observed):
         if task is None:
@@ -273,7 +302,7 @@ def say(console: Console, message: str, style: str | None = None) -> None:
     console.print(message, style=style, soft_wrap=True, markup=False, highlight=False)
 
 
-def print_summary(console: Console, observed: Observed, log_path: str) -> None:
+def print_summary(console: Console, observed: Observed, log_dir: Path) -> None:
     console.print()
     console.print(summary_table(observed))
     for takeover in observed.takeovers.values():
@@ -281,10 +310,10 @@ def print_summary(console: Console, observed: Observed, log_path: str) -> None:
     problems = observed.problems()
     if problems:
         say(console, f"result: FAILED: {'; '.join(problems)}", "bold red")
+        say(console, f"worker logs (JSON lines) kept in {log_dir}; remove them with: rm -r {log_dir}", "dim")
     else:
-        say(console, f"result: all {len(SAMPLES)} tasks SUCCESS as expected in {observed.elapsed():.1f} s",
-            "bold green")  # fmt: skip
-    say(console, f"worker logs (JSON lines): {log_path}", "dim")
+        done = f"result: all {len(SAMPLES)} tasks SUCCESS as expected in {observed.elapsed():.1f} s"
+        say(console, done, "bold green")
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -310,11 +339,14 @@ async def _maybe_kill(observed: Observed, runner: TaskRunner, pool: WorkerPool, 
     at = await runner.store.server_time()
     # Read again after the process is dead: nothing it claimed can change any more.
     tasks = await runner.store.find()
-    runs = {t.key: e for t in tasks for e in t.workers
-            if e.worker_id == victim.worker_id and e.state is EntryState.RUNNING}  # fmt: skip
+    runs = {t.key: e for t in tasks for e in _running_on(t, victim.worker_id)}
     observed.kill = Kill(victim.worker_id, pid, at, runs)
-    say(live.console, f"[{observed.elapsed():4.1f} s] SIGKILL {victim.worker_id} (pid {pid}) while it ran "
-                      f"{', '.join(runs)}; its lease expires within {TIMINGS['ping_timeout']:g} s")  # fmt: skip
+    expiry = f"its lease expires within {TIMINGS['ping_timeout']:g} s"
+    say(
+        live.console,
+        f"[{observed.elapsed():4.1f} s] SIGKILL {victim.worker_id} (pid {pid}) while it ran "
+        f"{', '.join(runs)}; {expiry}",
+    )
 
 
 async def _watch(observed: Observed, runner: TaskRunner, pool: WorkerPool, live: Live) -> None:
@@ -334,56 +366,47 @@ async def _watch(observed: Observed, runner: TaskRunner, pool: WorkerPool, live:
 
 async def _run(runner: TaskRunner, console: Console, workers: int) -> bool:
     await runner.init()
-    observed, pool = Observed(), WorkerPool(runner)
+    pool = WorkerPool(runner)
     try:
-        await pool.start(workers)
-        say(console, f"started {workers} workers ({', '.join(pool.procs)}); publishing {len(SAMPLES)} tasks")
+        ok = await _observe(runner, console, pool, workers)
+    except asyncio.CancelledError:
+        pool.remove_logs()  # stopped by the user: nothing went wrong
+        raise
+    except Exception:
+        say(
+            console,
+            f"worker logs (JSON lines) kept in {pool.log_dir}; remove them with: rm -r {pool.log_dir}",
+        )
+        raise
+    if ok:
+        pool.remove_logs()
+    return ok
+
+
+async def _observe(runner: TaskRunner, console: Console, pool: WorkerPool, workers: int) -> bool:
+    """Start the workers, publish the samples, watch until done; print the summary."""
+    observed = Observed()
+    try:
+        pool.start(workers)
+        say(console, f"started {workers} workers ({', '.join(pool.names)}); publishing {len(SAMPLES)} tasks")
         await runner.publish_many(s.spec() for s in SAMPLES)
         # Transient: the final summary replaces the live table.
         with Live(progress_table(observed), console=console, refresh_per_second=8, transient=True) as live:
             await _watch(observed, runner, pool, live)
     finally:
         await pool.stop()
-    print_summary(console, observed, pool.log_path)
+    print_summary(console, observed, pool.log_dir)
     return not observed.problems()
 
 
-@contextmanager
-def _cancelled_by_sigterm() -> Iterator[list[bool]]:
-    """SIGTERM cancels the demo like Ctrl-C does, so the cleanup still runs."""
-    loop, task, received = asyncio.get_running_loop(), asyncio.current_task(), [False]
-
-    def on_sigterm() -> None:
-        received[0] = True
-        if task is not None:
-            task.cancel()
-
-    try:
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-        yield received
-        return
-    try:
-        yield received
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
 async def run_demo(*, console: Console | None = None, workers: int = 3) -> bool:
-    """Run the demo; True when every task ended SUCCESS and the takeover happened."""
+    """Run the demo; True when every task ended SUCCESS and the takeover happened.
+
+    Cancelling it (``taskrunner demo`` does on SIGINT/SIGTERM) stops the workers and the server.
+    """
     if workers < 2:
         raise DemoError("the demo needs at least 2 workers: one is killed, another takes over")
     console = console or Console(highlight=False)
-    with _cancelled_by_sigterm() as terminated:
-        try:
-            return await _serve_and_run(console, workers)
-        except asyncio.CancelledError:
-            if terminated[0]:
-                raise DemoError("terminated by SIGTERM; workers and server stopped") from None
-            raise
-
-
-async def _serve_and_run(console: Console, workers: int) -> bool:
     server = _start_server()
     try:
         say(console, f"embedded server at {server.uri}")

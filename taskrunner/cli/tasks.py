@@ -1,0 +1,205 @@
+"""Commands on tasks: publish, show, list, wait, cancel, retry, purge."""
+
+from __future__ import annotations
+
+import enum
+import json
+from datetime import datetime
+from typing import Annotated, Any
+
+import typer
+
+from taskrunner.cli import render
+from taskrunner.cli.app import app, command
+from taskrunner.cli.options import AppRef, Connection, call, connected, fail, seconds
+from taskrunner.errors import WaitTimeout
+from taskrunner.models import Task, TaskState
+from taskrunner.runner import TaskRunner
+
+Key = Annotated[str, typer.Argument(help="Task key.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the task as JSON.")]
+
+
+class FinishedState(enum.StrEnum):
+    success = "success"
+    fail = "fail"
+    canceled = "canceled"
+
+
+def _parse_params(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"params: not valid JSON ({exc})")
+
+
+@command(app)
+@connected()
+def publish(
+    name: Annotated[str, typer.Argument(help="Handler name.")],
+    params: Annotated[str, typer.Option(help="Params as a JSON object.")] = "{}",
+    key: Annotated[str | None, typer.Option(help="Idempotency key (generated if absent).")] = None,
+    priority: Annotated[int, typer.Option(help="Higher runs first.")] = 0,
+    delay: Annotated[float | None, typer.Option(help="Seconds to wait before the task may start.")] = None,
+    run_at: Annotated[
+        datetime | None, typer.Option(help="Not before this time (ISO 8601, UTC if naive).")
+    ] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Distinct workers that must succeed.")] = None,
+    max_failures: Annotated[int | None, typer.Option(help="Failed runs before the task is FAIL.")] = None,
+    local_retries: Annotated[int | None, typer.Option(help="In-process retries per run.")] = None,
+    retry_backoff: Annotated[float | None, typer.Option(help="Seconds before a retry.")] = None,
+    ping_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
+    ping_timeout: Annotated[
+        float | None, typer.Option(help="Seconds without heartbeat before takeover.")
+    ] = None,
+    worker_id: Annotated[list[str] | None, typer.Option(help="Allowed worker (repeatable).")] = None,
+    run_timeout: Annotated[
+        float | None, typer.Option(help="Seconds each handler call may take (task option timeout).")
+    ] = None,
+    update_pending: Annotated[bool, typer.Option(help="Update a task no worker has started.")] = False,
+    republish_finished: Annotated[bool, typer.Option(help="Start a finished key afresh.")] = False,
+    allow_unknown: Annotated[
+        bool, typer.Option(help="With --app: publish a name the app has no handler for.")
+    ] = False,
+    app_ref: AppRef = None,
+    *,
+    connection: Connection,
+) -> None:
+    """Publish a task and print its key."""
+    options = {
+        "concurrency": concurrency,
+        "max_failures": max_failures,
+        "local_retries": local_retries,
+        "retry_backoff": retry_backoff,
+        "ping_interval": ping_interval,
+        "ping_timeout": ping_timeout,
+        "worker_ids": worker_id or None,
+        "timeout": run_timeout,
+    }
+    given = {k: v for k, v in options.items() if v is not None}
+    task = call(
+        connection,
+        lambda runner: runner.publish(
+            name,
+            _parse_params(params),
+            key=key,
+            priority=priority,
+            delay=delay,
+            run_at=run_at,
+            update_pending=update_pending,
+            republish_finished=republish_finished,
+            allow_unknown=allow_unknown,
+            **given,
+        ),
+        app_ref,
+    )
+    if not task.created:
+        render.stderr().print(
+            f"task {task.key!r} already exists (state {task.state}); not created", markup=False
+        )
+    print(task.key)
+
+
+@command(app)
+@connected()
+def show(key: Key, as_json: AsJson = False, *, connection: Connection) -> None:
+    """Show one task: summary, options and every worker entry."""
+    task = call(connection, lambda runner: runner.get(key))
+    if as_json:
+        render.print_json(task.model_dump_json(indent=2))
+    else:
+        render.print_task(render.stdout(), task)
+
+
+@command(app, "list")
+@connected()
+def list_command(
+    state: Annotated[
+        TaskState | None, typer.Option(case_sensitive=False, help="Only tasks in this state.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
+    worker_id: Annotated[str | None, typer.Option("--worker", help="Only tasks this worker claimed.")] = None,
+    limit: Annotated[int, typer.Option(min=0, help="At most this many tasks (0: all).")] = 100,
+    as_json: Annotated[bool, typer.Option("--json", help="One task per line as JSON.")] = False,
+    *,
+    connection: Connection,
+) -> None:
+    """List tasks, oldest first."""
+    tasks = call(
+        connection, lambda runner: runner.list_tasks(state=state, name=name, worker_id=worker_id, limit=limit)
+    )
+    if as_json:
+        for task in tasks:
+            render.print_json(task.model_dump_json())
+    else:
+        render.print_table(render.stdout(), render.tasks_table(tasks)) if tasks else print("no tasks match")
+
+
+@command(app)
+@connected()
+def cancel(key: Key, *, connection: Connection) -> None:
+    """Cancel a PENDING or RUNNING task; running handlers stop at their next heartbeat."""
+    task = call(connection, lambda runner: runner.cancel(key))
+    print(f"{task.key}: {task.state.value}")
+
+
+@command(app)
+@connected()
+def retry(key: Key, *, connection: Connection) -> None:
+    """Make a FAIL or CANCELED task claimable again, with a fresh failure budget."""
+    task = call(connection, lambda runner: runner.retry(key))
+    print(f"{task.key}: {task.state.value}")
+
+
+@command(app)
+@connected()
+def purge(
+    state: Annotated[
+        list[FinishedState], typer.Option(case_sensitive=False, help="Finished state to delete (repeatable).")
+    ],
+    older_than: Annotated[
+        float,
+        typer.Option(parser=seconds, metavar="DURATION", help="Finished at least this long ago: 30s, 7d."),
+    ],
+    dry_run: Annotated[bool, typer.Option(help="Only count what would be deleted.")] = False,
+    *,
+    connection: Connection,
+) -> None:
+    """Delete finished tasks in the given states that finished longer ago than --older-than."""
+    states = [TaskState(s.value.upper()) for s in dict.fromkeys(state)]
+    count = call(connection, lambda runner: runner.purge(states, older_than, dry_run=dry_run))
+    which = "/".join(s.value for s in states)
+    print(f"{'would delete' if dry_run else 'deleted'} {count} {which} task{'' if count == 1 else 's'}")
+
+
+@command(app, "wait")
+@connected()
+def wait_command(
+    key: Key,
+    within: Annotated[
+        float | None,
+        typer.Option(parser=seconds, metavar="DURATION", help="Give up after this long (exit 3)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the finished task as JSON.")] = False,
+    *,
+    connection: Connection,
+) -> None:
+    """Wait until a task finishes: exit 0 on SUCCESS, 1 on FAIL or CANCELED, 3 if --within passes."""
+
+    async def wait(runner: TaskRunner) -> Task | WaitTimeout:
+        try:
+            return await runner.wait(key, within)
+        except WaitTimeout as exc:
+            return exc
+
+    task = call(connection, wait)
+    if isinstance(task, WaitTimeout):
+        state = f" (still {task.task.state.value})" if isinstance(task.task, Task) else ""
+        render.stderr().print(f"error: {task}{state}", markup=False)
+        raise typer.Exit(3)
+    if as_json:
+        render.print_json(task.model_dump_json(indent=2))
+    else:
+        print(*render.outcome_lines(task), sep="\n")
+    if task.state is not TaskState.SUCCESS:
+        raise typer.Exit(1)

@@ -1,0 +1,208 @@
+"""``taskrunner worker``: run tasks until SIGTERM/SIGINT (twice: exit at once)."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from taskrunner.cli.app import app, command
+from taskrunner.cli.options import Connection, connected, fail, run
+from taskrunner.cli.signals import stop_signals
+from taskrunner.errors import TaskRunnerError
+from taskrunner.runner import TaskRunner
+
+if TYPE_CHECKING:
+    from taskrunner.observe import WorkerObserver
+    from taskrunner.roundtrips import RoundTripCounter
+    from taskrunner.worker import Worker
+
+
+class LogFormatChoice(enum.StrEnum):
+    json = "json"
+    console = "console"
+
+
+class DiscoveryChoice(enum.StrEnum):
+    stream = "stream"
+    poll = "poll"
+
+
+@command(app)
+@connected(timeout=10.0)
+def worker(
+    app_ref: Annotated[
+        str, typer.Option("--app", envvar="TASKRUNNER_APP", help="MODULE:OBJECT of a TaskRunner.")
+    ],
+    concurrency: Annotated[
+        int, typer.Option(envvar="TASKRUNNER_CONCURRENCY", help="Handlers in flight.")
+    ] = 10,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TASKRUNNER_WORKER_ID", help="Worker id (default: host-pid-random, fresh per start)."
+        ),
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(envvar="TASKRUNNER_SHUTDOWN_TIMEOUT", help="Seconds handlers may finish after SIGTERM."),
+    ] = 0.5,
+    poll_interval: Annotated[
+        float,
+        typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
+    ] = 5.0,
+    discovery: Annotated[
+        DiscoveryChoice,
+        typer.Option(
+            envvar="TASKRUNNER_DISCOVERY",
+            help="stream: change streams (polling only if the server has none); poll: always scan.",
+        ),
+    ] = DiscoveryChoice.stream,
+    batch: Annotated[
+        int,
+        typer.Option(
+            envvar="TASKRUNNER_BATCH",
+            min=1,
+            help="Most tasks one claim round trip takes when slots are free.",
+        ),
+    ] = 32,
+    beat_interval: Annotated[
+        float,
+        typer.Option(
+            envvar="TASKRUNNER_BEAT_INTERVAL", help="Seconds between registry beats (entry lives 5x)."
+        ),
+    ] = 2.0,
+    drain: Annotated[
+        bool,
+        typer.Option(
+            "--drain",
+            envvar="TASKRUNNER_DRAIN",
+            help="Exit once nothing runs here and nothing is claimable now (tasks due later stay).",
+        ),
+    ] = False,
+    log_format: Annotated[
+        LogFormatChoice, typer.Option(envvar="TASKRUNNER_LOG_FORMAT")
+    ] = LogFormatChoice.console,
+    log_level: Annotated[
+        str, typer.Option(envvar="TASKRUNNER_LOG_LEVEL", help="debug|info|warning|error.")
+    ] = "info",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="TASKRUNNER_METRICS_PORT",
+            min=0,
+            max=65535,
+            help="Serve Prometheus metrics on this port (needs the metrics extra; 0: any free port).",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            envvar="TASKRUNNER_METRICS_HOST",
+            help="Address the metrics endpoint binds (all interfaces by default).",
+        ),
+    ] = "0.0.0.0",
+    *,
+    connection: Connection,
+) -> None:
+    """Run tasks: claim, heartbeat and finish them until SIGTERM/SIGINT (twice: exit at once)."""
+    from taskrunner.logs import configure_logging
+
+    try:
+        configure_logging(log_format.value, log_level)
+    except ValueError as exc:
+        fail(str(exc))
+    runner, counter = count_roundtrips(connection.runner(app_ref))
+    observer = None if metrics_port is None else _metrics_observer(metrics_port, metrics_host, runner)
+    try:
+        process = _make_worker(
+            runner,
+            observer,
+            concurrency=concurrency,
+            worker_id=worker_id,
+            shutdown_timeout=shutdown_timeout,
+            poll_interval=poll_interval,
+            beat_interval=beat_interval,
+            batch=batch,
+            discovery=discovery.value,
+            drain=drain,
+        )
+    except TaskRunnerError as exc:
+        fail(str(exc))
+    try:
+        run(_run_until_signalled(runner, process))
+    finally:
+        if counter is not None:
+            _log_roundtrips(process.worker_id, counter)
+
+
+def _make_worker(runner: TaskRunner, observer: WorkerObserver | None, **options: Any) -> Worker:
+    """The one place the command builds its ``Worker``: the same ``WorkerOptions`` model
+    that ``Worker`` and ``TaskRunner.run_worker`` take (a bad value names the option)."""
+    from taskrunner.worker import Worker
+    from taskrunner.worker_options import WorkerOptions
+
+    return Worker(runner, WorkerOptions(**options), observer=observer)
+
+
+async def _run_until_signalled(runner: TaskRunner, process: Worker) -> None:
+    try:
+        with stop_signals(
+            lambda _: process.stop(), at_once="exiting at once; leases expire and other workers take over"
+        ):
+            await process.run()
+    finally:
+        await runner.close()
+
+
+def count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter | None]:
+    """With TASKRUNNER_COUNT_ROUNDTRIPS=1, give the runner a store that counts its commands."""
+    from taskrunner import roundtrips
+
+    if not roundtrips.enabled():
+        return runner, None
+    from taskrunner.store.mongo import MongoStore
+
+    counter = roundtrips.RoundTripCounter()
+    store = MongoStore.connect(
+        runner.mongo_uri,
+        database=runner.database,
+        collection=runner.collection,
+        timeout=runner.timeout,
+        event_listeners=[counter],
+    )
+    return runner.copy(store=store), counter
+
+
+def _log_roundtrips(worker_id: str, counter: RoundTripCounter) -> None:
+    import structlog
+
+    counts = counter.snapshot()
+    structlog.get_logger("taskrunner.worker").info(
+        "round trips",
+        worker_id=worker_id,
+        total=sum(counts.values()),
+        commands=counts,
+        jobs=counter.by_job(),
+        change_events=counter.events(),
+    )
+
+
+def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserver:
+    """Start the Prometheus endpoint and return the observer that feeds it (docs/metrics.md)."""
+    import structlog
+
+    try:
+        from taskrunner.metrics import PrometheusObserver, serve_metrics
+    except ImportError as exc:
+        fail(f"--metrics-port: {exc}")
+    observer = PrometheusObserver(tasks=runner.handlers.names())
+    try:
+        server, _ = serve_metrics(port, host=host)
+    except OSError as exc:
+        fail(f"--metrics-port: cannot serve metrics on {host}:{port}: {exc}")
+    structlog.get_logger("taskrunner.metrics").info(
+        "serving metrics", host=host, port=server.server_port, path="/metrics"
+    )
+    return observer
