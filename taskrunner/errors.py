@@ -64,12 +64,16 @@ class InvalidSchedule(InvalidTask):
 
 
 class ScheduleNotFound(TaskRunnerError, LookupError):
+    """No schedule has this id (``schedule_id``)."""
+
     def __init__(self, schedule_id: str) -> None:
         self.schedule_id = schedule_id
         super().__init__(f"no schedule with id {schedule_id!r}")
 
 
 class TaskNotFound(TaskRunnerError, LookupError):
+    """No task has this key (``key``)."""
+
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"no task with key {key!r}")
@@ -92,6 +96,8 @@ class WaitTimeout(TaskRunnerError, TimeoutError):
 
 
 class UnknownHandler(TaskRunnerError, LookupError):
+    """A run was handed a task name no handler of this runner has (``name``)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"no handler registered for task name {name!r}")

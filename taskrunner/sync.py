@@ -22,6 +22,9 @@ T = TypeVar("T")
 
 
 class SyncTaskRunner:
+    """A blocking facade over a ``TaskRunner`` for synchronous code (``runner.sync()``): the same
+    methods and semantics, run on a private event loop in a daemon thread."""
+
     def __init__(self, runner: TaskRunner) -> None:
         # A store's client belongs to the loop that made it, so the facade gets its own
         # (the in-memory store has no client and is shared, keeping one set of tasks).

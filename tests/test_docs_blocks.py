@@ -39,6 +39,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mongosh import mongosh_path
@@ -51,6 +52,8 @@ DIRECTIVE = re.compile(r"<!--\s*run:\s*(?P<mode>[\w-]+)(?P<rest>.*?)\s*-->")
 SHELLS = {"sh", "bash", "shell"}
 SAMPLES = {"text", "json", "jsonc", "mermaid", "promql", "js"}
 MODES = {"script", "background", "skip"}
+# Installing into whatever pip, npm or apt the PATH holds would change the tester's machine.
+INSTALLS = re.compile(r"\b(pip3?|npm|apt(-get)?|brew)\s+(install|i)\b")
 BLOCK_TIMEOUT_S = 180
 READY_TIMEOUT_S = 60
 STOP_GRACE_S = 15
@@ -126,6 +129,8 @@ def _breach(block: Block) -> str | None:
         )
     if block.mode == "script" and block.lang != "python":
         return "'run: script' is for ```python blocks"
+    if INSTALLS.search(block.code):
+        return "installs software on the machine running the test: <!-- run: skip: REASON --> it"
     if block.lang == "console" and not _console_commands(block.code):
         return "```console block without '$ ' commands: use ```text for output alone"
     if block.mode == "background" and block.argument and not block.argument.startswith("until="):
@@ -300,7 +305,7 @@ class PageRun:
         return self.session
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
+def _stop(process: subprocess.Popen[Any]) -> None:
     """SIGTERM the process (its group when it leads one), SIGKILL if it lingers."""
     if process.poll() is not None:
         return
@@ -312,7 +317,7 @@ def _stop(process: subprocess.Popen[str]) -> None:
         process.wait()
 
 
-def _signal(process: subprocess.Popen[str], signum: int) -> None:
+def _signal(process: subprocess.Popen[Any], signum: int) -> None:
     if os.getpgid(process.pid) == process.pid:
         os.killpg(process.pid, signum)
     else:
@@ -371,6 +376,7 @@ def test_parse_page_reports_every_breach(tmp_path: Path) -> None:
         "<!-- run: later -->\n```sh\necho\n```\n"
         "<!-- run: skip: needs Docker -->\n```dockerfile\nFROM x\n```\n"
         "<!-- run: script -->\n```sh\necho\n```\n"
+        "```sh\npip install taskrunner\n```\n"
     )
     blocks, problems = parse_page(page)
     assert [(b.line, b.lang, b.mode, b.runs) for b in blocks][:2] == [
@@ -384,6 +390,7 @@ def test_parse_page_reports_every_breach(tmp_path: Path) -> None:
         "x.md:15: ```console block without '$ ' commands: use ```text for output alone",
         "x.md:19: unknown directive 'run: later' (one of ['background', 'script', 'skip'])",
         "x.md:27: 'run: script' is for ```python blocks",
+        "x.md:30: installs software on the machine running the test: <!-- run: skip: REASON --> it",
     ]
 
 
@@ -439,7 +446,7 @@ def test_shell_blocks_of_a_page_share_exports_and_directory(tmp_path: Path) -> N
     page = tmp_path / "x.md"
     page.write_text(
         "```sh\nexport GREETING=hello\ncd /tmp\n```\n"
-        "```console\n$ test \"$GREETING\" = hello\n$ test \"$PWD\" = /tmp\nsample output\n```\n"
+        '```console\n$ test "$GREETING" = hello\n$ test "$PWD" = /tmp\nsample output\n```\n'
     )
     blocks, problems = parse_page(page)
     assert problems == []
