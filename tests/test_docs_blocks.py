@@ -1,6 +1,6 @@
 """Every Python and shell block in README.md and docs/*.md runs, as written, against a fresh server.
 
-The convention (docs/design.md, "Runnable docs"). Each page's blocks run in order, from the
+The convention (docs/design.md, "Documentation that runs"). Each page's blocks run in order, from the
 repository's root, with ``TASKRUNNER_MONGO_URI`` set to a fresh embedded server of their own
 (``TaskRunner()`` with no URI reads it) and the project's virtualenv first on ``PATH``:
 
