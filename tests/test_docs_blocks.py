@@ -451,3 +451,14 @@ def test_shell_blocks_of_a_page_share_exports_and_directory(tmp_path: Path) -> N
     blocks, problems = parse_page(page)
     assert problems == []
     assert run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9") is None
+
+
+def test_npx_runs_the_pinned_mongosh_only_with_yes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``npx --yes mongosh`` reaches the pinned binary; plain ``npx mongosh`` fails as it does without a prompt."""
+    monkeypatch.setattr(sys.modules[__name__], "mongosh_path", lambda: Path("/bin/echo"))
+    page = tmp_path / "x.md"
+    page.write_text('```sh\ntest "$(npx --yes mongosh hi)" = hi\n```\n```sh\nnpx mongosh hi\n```\n')
+    blocks, _ = parse_page(page)
+    failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
+    assert failure is not None
+    assert failure.startswith("x.md:4 (```sh) failed: exit status 1:\nnpm error canceled"), failure
