@@ -18,8 +18,10 @@ repository's root, with ``TASKRUNNER_MONGO_URI`` set to a fresh embedded server 
   ``<!-- run: skip: REASON -->`` does not run it, and must say why (Docker, a real MongoDB,
   minutes of benchmark);
 - ```text, ```json, ```jsonc, ```mermaid and ```promql blocks are samples, never run;
-  ```js blocks are mongo-shell queries, run by tests/test_docs_queries.py. Any other fence
-  (a bare one included) must carry a skip directive, so no block is unrun by accident.
+  ```js blocks are mongo-shell queries, run by tests/test_docs_queries.py; ```toml, ```yaml
+  and ```ini blocks show configuration files. Any other fence (a bare one included) must
+  carry a skip directive, so no block is unrun by accident. docs/testing.md's python blocks
+  are test modules, run by tests/test_testing_docs.py instead.
 
 ``npx`` in a block runs the pinned mongosh of tests/mongosh.py (as npm's registry may be
 slow or away), and like the real one it refuses to install without ``--yes`` when nobody
@@ -50,7 +52,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
 DIRECTIVE = re.compile(r"<!--\s*run:\s*(?P<mode>[\w-]+)(?P<rest>.*?)\s*-->")
 SHELLS = {"sh", "bash", "shell"}
-SAMPLES = {"text", "json", "jsonc", "mermaid", "promql", "js"}
+SAMPLES = {"text", "json", "jsonc", "toml", "yaml", "ini", "mermaid", "promql", "js"}
+# Pages whose ```python blocks another test runs its own way (as a user's test modules).
+PYTHON_RUN_ELSEWHERE = {"testing.md": "tests/test_testing_docs.py"}
 MODES = {"script", "background", "skip"}
 # Installing into whatever pip, npm or apt the PATH holds would change the tester's machine.
 INSTALLS = re.compile(r"\b(pip3?|npm|apt(-get)?|brew)\s+(install|i)\b")
@@ -76,9 +80,9 @@ class Block:
 
     @property
     def runs(self) -> bool:
-        return self.mode != "skip" and (
-            self.lang == "python" or self.lang in SHELLS or self.lang == "console"
-        )
+        if self.mode == "skip" or (self.lang == "python" and self.page in PYTHON_RUN_ELSEWHERE):
+            return False
+        return self.lang == "python" or self.lang in SHELLS or self.lang == "console"
 
 
 def parse_page(path: Path) -> tuple[list[Block], list[str]]:
@@ -122,6 +126,8 @@ def _breach(block: Block) -> str | None:
         return None if block.argument else "'run: skip' must give its reason: <!-- run: skip: REASON -->"
     if block.lang in SAMPLES:
         return None if block.mode is None else f"a run directive on a ```{block.lang} block, which never runs"
+    if block.lang == "python" and block.page in PYTHON_RUN_ELSEWHERE:
+        return None
     if not block.runs:
         name = f"```{block.lang}" if block.lang else "a bare ```"
         return (
