@@ -96,6 +96,8 @@ class WaitTimeout(TaskRunnerError, TimeoutError):
 
 
 class UnknownHandler(TaskRunnerError, LookupError):
+    """A run was handed a task name no handler of this runner has (``name``)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"no handler registered for task name {name!r}")

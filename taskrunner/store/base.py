@@ -153,6 +153,9 @@ class ChangeStream(Protocol):
 
 
 class Store(Protocol):
+    """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
+    implement the same rules, checked by one contract test suite."""
+
     async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
         """Create indexes (idempotent); optionally install the $jsonSchema validator and a
         TTL index deleting finished tasks ``retain_finished`` seconds after they finish

@@ -1,0 +1,470 @@
+"""Every Python and shell block in README.md and docs/*.md runs, as written, against a fresh server.
+
+The convention (docs/design.md, "Documentation that runs"). Each page's blocks run in order, from the
+repository's root, with ``TASKRUNNER_MONGO_URI`` set to a fresh embedded server of their own
+(``TaskRunner()`` with no URI reads it) and the project's virtualenv first on ``PATH``:
+
+- ```python blocks of a page run in one Python session, as pasted in order into
+  ``python -m asyncio``: ``await`` works at top level, names carry over to the page's later
+  blocks, and the event loop keeps running between blocks;
+- ```sh blocks (``bash`` and ``shell`` too) run in ``bash -euo pipefail``, each in a fresh
+  shell; ```console blocks run their ``$ `` lines the same way (the rest is sample output,
+  not compared);
+- an HTML comment on the line before a fence changes that:
+  ``<!-- run: script -->`` runs a ```python block alone, as ``python file.py``;
+  ``<!-- run: background -->`` starts a block that runs until stopped (a dev server, a
+  worker) and stops it with SIGTERM after the page's last block, and
+  ``<!-- run: background until=TEXT -->`` also waits for TEXT in its output first;
+  ``<!-- run: skip: REASON -->`` does not run it, and must say why (Docker, a real MongoDB,
+  minutes of benchmark);
+- ```text, ```json, ```jsonc, ```mermaid and ```promql blocks are samples, never run;
+  ```js blocks are mongo-shell queries, run by tests/test_docs_queries.py; ```toml, ```yaml
+  and ```ini blocks show configuration files. Any other fence (a bare one included) must
+  carry a skip directive, so no block is unrun by accident. docs/testing.md's python blocks
+  are test modules, run by tests/test_testing_docs.py instead.
+
+``npx`` in a block runs the pinned mongosh of tests/mongosh.py (as npm's registry may be
+slow or away), and like the real one it refuses to install without ``--yes`` when nobody
+can answer its prompt. A block that fails fails the test with its page, line and output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mongosh import mongosh_path
+from workers import dev_server
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
+DIRECTIVE = re.compile(r"<!--\s*run:\s*(?P<mode>[\w-]+)(?P<rest>.*?)\s*-->")
+SHELLS = {"sh", "bash", "shell"}
+SAMPLES = {"text", "json", "jsonc", "toml", "yaml", "ini", "mermaid", "promql", "js"}
+# Pages whose ```python blocks another test runs its own way (as a user's test modules).
+PYTHON_RUN_ELSEWHERE = {"testing.md": "tests/test_testing_docs.py"}
+MODES = {"script", "background", "skip"}
+# Installing into whatever pip, npm or apt the PATH holds would change the tester's machine.
+INSTALLS = re.compile(r"\b(pip3?|npm|apt(-get)?|brew)\s+(install|i)\b")
+BLOCK_TIMEOUT_S = 180
+READY_TIMEOUT_S = 60
+STOP_GRACE_S = 15
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page, with the run directive written above it (if any)."""
+
+    page: str
+    line: int
+    lang: str
+    code: str
+    mode: str | None = None
+    argument: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def runs(self) -> bool:
+        if self.mode == "skip" or (self.lang == "python" and self.page in PYTHON_RUN_ELSEWHERE):
+            return False
+        return self.lang == "python" or self.lang in SHELLS or self.lang == "console"
+
+
+def parse_page(path: Path) -> tuple[list[Block], list[str]]:
+    """A page's fenced blocks and every breach of the convention."""
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    index = 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        end = next((i for i in range(index + 1, len(lines)) if FENCE.match(lines[i])), len(lines))
+        before = lines[index - 1].strip() if index else ""
+        block, problem = _block(
+            path.name, index + 1, opening["lang"], "\n".join(lines[index + 1 : end]), before
+        )
+        blocks.append(block)
+        if problem:
+            problems.append(f"{block.where}: {problem}")
+        index = end + 1
+    return blocks, problems
+
+
+def _block(page: str, line: int, lang: str, code: str, before: str) -> tuple[Block, str | None]:
+    found = DIRECTIVE.fullmatch(before)
+    if found is None:
+        block = Block(page, line, lang, code)
+    else:
+        rest = found["rest"].strip()
+        block = Block(page, line, lang, code, found["mode"], rest.removeprefix(":").strip())
+    return block, _breach(block)
+
+
+def _breach(block: Block) -> str | None:
+    """What is wrong with a block under the convention, if anything."""
+    if block.mode is not None and block.mode not in MODES:
+        return f"unknown directive 'run: {block.mode}' (one of {sorted(MODES)})"
+    if block.mode == "skip":
+        return None if block.argument else "'run: skip' must give its reason: <!-- run: skip: REASON -->"
+    if block.lang in SAMPLES:
+        return None if block.mode is None else f"a run directive on a ```{block.lang} block, which never runs"
+    if block.lang == "python" and block.page in PYTHON_RUN_ELSEWHERE:
+        return None
+    if not block.runs:
+        name = f"```{block.lang}" if block.lang else "a bare ```"
+        return (
+            f"{name} block never runs: use ```python or ```sh, a sample fence, or <!-- run: skip: REASON -->"
+        )
+    if block.mode == "script" and block.lang != "python":
+        return "'run: script' is for ```python blocks"
+    if INSTALLS.search(block.code):
+        return "installs software on the machine running the test: <!-- run: skip: REASON --> it"
+    if block.lang == "console" and not _console_commands(block.code):
+        return "```console block without '$ ' commands: use ```text for output alone"
+    if block.mode == "background" and block.argument and not block.argument.startswith("until="):
+        return f"'run: background' takes only until=TEXT, not {block.argument!r}"
+    return None
+
+
+def _console_commands(code: str) -> str:
+    return "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ "))
+
+
+# -- running a page ---------------------------------------------------------------------------
+
+SESSION = r"""
+import ast, asyncio, inspect, json, os, sys, threading, traceback, types
+
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what the blocks print goes to the output log, replies to the test
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+
+
+async def run(code):
+    result = types.FunctionType(code, namespace)()
+    if inspect.iscoroutine(result):
+        await result
+
+
+for request in sys.stdin:
+    block = json.loads(request)
+    try:
+        source = "\n" * block["line"] + block["code"]  # tracebacks cite the page's line numbers
+        code = compile(source, block["page"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        asyncio.run_coroutine_threadsafe(run(code), loop).result()
+        reply = None
+    except BaseException:
+        reply = traceback.format_exc()
+    sys.stdout.flush()
+    print(json.dumps(reply), file=replies, flush=True)
+"""
+
+NPX = r"""#!/usr/bin/env bash
+# The docs test's npx: runs the pinned mongosh; like npx, refuses to install without --yes.
+if [ "${1:-}" != "--yes" ] && [ ! -t 0 ]; then
+  echo "npm error canceled (npx needs --yes to install a package without a prompt)" >&2
+  exit 1
+fi
+[ "${1:-}" = "--yes" ] && shift
+[ "${1:-}" = "mongosh" ] || { echo "docs test npx: only 'npx --yes mongosh' is provided" >&2; exit 1; }
+shift
+HOME="$NPX_MONGOSH_HOME" DO_NOT_TRACK=1 exec "$NPX_MONGOSH" "$@"
+"""
+
+
+class PageRun:
+    """Runs one page's blocks in order in a scratch directory; failure text names the block."""
+
+    def __init__(self, scratch: Path, uri: str) -> None:
+        self.scratch = scratch
+        scratch.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "PYTHONUNBUFFERED": "1"}
+        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
+        self.stack = ExitStack()
+        self.session: subprocess.Popen[str] | None = None
+        self.log = scratch / "output.log"
+        self.count = 0
+
+    def __enter__(self) -> PageRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def provide_npx(self) -> None:
+        """Put the pinned-mongosh npx first on PATH."""
+        bin_dir = self.scratch / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "npx").write_text(NPX)
+        (bin_dir / "npx").chmod(0o755)
+        self.env.update(NPX_MONGOSH=str(mongosh_path()), NPX_MONGOSH_HOME=str(self.scratch))
+        self.env["PATH"] = f"{bin_dir}{os.pathsep}{self.env['PATH']}"
+
+    def run(self, block: Block) -> str | None:
+        """Run one block; None when it succeeded, else what to show."""
+        self.count += 1
+        output = self.scratch / f"block-{self.count}.log"
+        if block.mode == "background":
+            return self._background(block, output)
+        if block.lang == "python" and block.mode is None:
+            return self._in_session(block)
+        return self._once(block, output)
+
+    def _command(self, block: Block) -> list[str]:
+        if block.lang == "python":
+            script = self.scratch / f"block-{self.count}.py"
+            script.write_text(block.code)
+            return [sys.executable, str(script)]
+        code = _console_commands(block.code) if block.lang == "console" else block.code
+        if block.mode != "background":  # a page's shell blocks share one terminal's exports and cwd
+            state = shlex.quote(str(self.scratch / "shell-state.sh"))
+            code = (
+                f"trap 'export -p > {state}; echo cd $(printf %q \"$PWD\") >> {state}' EXIT\n"
+                f"if [ -e {state} ]; then . {state}; fi\n{code}"
+            )
+        return ["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", code]
+
+    def _once(self, block: Block, output: Path) -> str | None:
+        with output.open("w") as out:
+            try:
+                done = subprocess.run(
+                    self._command(block),
+                    cwd=ROOT,
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=BLOCK_TIMEOUT_S,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                return f"still running after {BLOCK_TIMEOUT_S} s:\n{output.read_text()}"
+        return None if done.returncode == 0 else f"exit status {done.returncode}:\n{output.read_text()}"
+
+    def _background(self, block: Block, output: Path) -> str | None:
+        out = self.stack.enter_context(output.open("w"))
+        process = subprocess.Popen(
+            self._command(block),
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # SIGTERM reaches `uv run`'s child too
+        )
+        self.stack.callback(_stop, process)
+        ready = block.argument.removeprefix("until=")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while ready and ready not in output.read_text():
+            if process.poll() is not None:
+                return f"exited ({process.returncode}) before printing {ready!r}:\n{output.read_text()}"
+            if time.monotonic() > deadline:
+                return f"no {ready!r} within {READY_TIMEOUT_S} s:\n{output.read_text()}"
+            time.sleep(0.1)
+        return None
+
+    def _in_session(self, block: Block) -> str | None:
+        session = self.session or self._start_session()
+        assert session.stdin is not None and session.stdout is not None
+        offset = self.log.stat().st_size
+        session.stdin.write(json.dumps({"page": block.page, "line": block.line, "code": block.code}) + "\n")
+        session.stdin.flush()
+        reply = session.stdout.readline()
+        printed = self.log.read_text()[offset:]
+        if not reply:
+            return f"the Python session ended (exit status {session.wait()}):\n{printed}"
+        failure: str | None = json.loads(reply)
+        return None if failure is None else f"{printed}{failure}"
+
+    def _start_session(self) -> subprocess.Popen[str]:
+        log = self.stack.enter_context(self.log.open("w"))
+        self.session = subprocess.Popen(
+            [sys.executable, "-c", SESSION],
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        self.stack.callback(_stop, self.session)
+        return self.session
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    """SIGTERM the process (its group when it leads one), SIGKILL if it lingers."""
+    if process.poll() is not None:
+        return
+    _signal(process, signal.SIGTERM)
+    try:
+        process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal(process, signal.SIGKILL)
+        process.wait()
+
+
+def _signal(process: subprocess.Popen[Any], signum: int) -> None:
+    if os.getpgid(process.pid) == process.pid:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
+
+
+def run_page(blocks: list[Block], scratch: Path, uri: str) -> str | None:
+    """Run the blocks in order; the first failure as ``page:line (lang): output``, or None."""
+    with PageRun(scratch, uri) as page:
+        if any(b.runs and "npx" in b.code for b in blocks):
+            page.provide_npx()
+        for block in blocks:
+            if not block.runs:
+                continue
+            failure = page.run(block)
+            if failure is not None:
+                return f"{block.where} (```{block.lang}) failed: {failure}\n--- the block:\n{block.code}"
+    return None
+
+
+PARSED = {page.name: parse_page(page) for page in PAGES}
+
+
+def test_every_block_runs_or_says_why_not() -> None:
+    """No block is unrun by accident: each fence is run, a sample, or skipped with a reason."""
+    problems = [problem for _, page_problems in PARSED.values() for problem in page_problems]
+    assert problems == []
+    assert sum(b.runs for blocks, _ in PARSED.values() for b in blocks) >= 10
+
+
+@pytest.mark.embedded
+@pytest.mark.timeout(900)  # the first run installs mongosh with npm
+@pytest.mark.parametrize(
+    "page", [name for name, (blocks, _) in PARSED.items() if any(b.runs for b in blocks)]
+)
+def test_page_blocks_run(page: str, tmp_path: Path) -> None:
+    """Every runnable block of the page exits 0, in order, against the page's own fresh server."""
+    blocks = PARSED[page][0]
+    with dev_server() as (_, uri):
+        failure = run_page(blocks, tmp_path, uri)
+    assert failure is None, failure
+
+
+# -- the convention itself ----------------------------------------------------------------------
+
+
+def test_parse_page_reports_every_breach(tmp_path: Path) -> None:
+    """Unrun languages, bare fences, reasonless skips, stray directives and output-only console are reported."""
+    page = tmp_path / "x.md"
+    page.write_text(
+        "```bash\necho\n```\n"
+        "```\nplain\n```\n"
+        "<!-- run: skip -->\n```sh\necho\n```\n"
+        "<!-- run: background -->\n```text\nout\n```\n"
+        "```console\nout\n```\n"
+        "<!-- run: later -->\n```sh\necho\n```\n"
+        "<!-- run: skip: needs Docker -->\n```dockerfile\nFROM x\n```\n"
+        "<!-- run: script -->\n```sh\necho\n```\n"
+        "```sh\npip install taskrunner\n```\n"
+    )
+    blocks, problems = parse_page(page)
+    assert [(b.line, b.lang, b.mode, b.runs) for b in blocks][:2] == [
+        (1, "bash", None, True),
+        (4, "", None, False),
+    ]
+    assert problems == [
+        "x.md:4: a bare ``` block never runs: use ```python or ```sh, a sample fence, or <!-- run: skip: REASON -->",
+        "x.md:8: 'run: skip' must give its reason: <!-- run: skip: REASON -->",
+        "x.md:12: a run directive on a ```text block, which never runs",
+        "x.md:15: ```console block without '$ ' commands: use ```text for output alone",
+        "x.md:19: unknown directive 'run: later' (one of ['background', 'script', 'skip'])",
+        "x.md:27: 'run: script' is for ```python blocks",
+        "x.md:30: installs software on the machine running the test: <!-- run: skip: REASON --> it",
+    ]
+
+
+def test_a_failing_block_fails_with_its_page_line_and_output(tmp_path: Path) -> None:
+    """A shell block that exits non-zero stops the page, and the failure names it and shows its output."""
+    page = tmp_path / "x.md"
+    page.write_text(
+        "```sh\necho first\n```\n\n```sh\necho visible-output\nfalse\necho never\n```\n```sh\necho 3\n```\n"
+    )
+    blocks, _ = parse_page(page)
+    failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
+    assert failure is not None
+    assert failure.startswith("x.md:5 (```sh) failed: exit status 1:\nvisible-output\n")
+    assert "never\n" not in failure.split("--- the block:")[0]
+
+
+def test_python_blocks_share_a_session_with_top_level_await(tmp_path: Path) -> None:
+    """Names and a background task carry over between python blocks; a raise names the page's line."""
+    page = tmp_path / "x.md"
+    page.write_text(
+        "```python\nimport asyncio\nticks = []\n"
+        "async def tick():\n    while True:\n        ticks.append(1)\n        await asyncio.sleep(0.01)\n"
+        "task = asyncio.create_task(tick())\n```\n"
+        "```python\nawait asyncio.sleep(0.2)\nprint('ticks', len(ticks) > 3)\n"
+        "raise ValueError('boom')\n```\n"
+    )
+    blocks, _ = parse_page(page)
+    failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
+    assert failure is not None
+    assert failure.startswith("x.md:10 (```python) failed: ticks True\n"), failure
+    assert 'File "x.md", line 13' in failure
+    assert "ValueError: boom" in failure
+
+
+def test_background_blocks_wait_until_ready_and_stop_at_the_end(tmp_path: Path) -> None:
+    """A background block must print its ready text; it is still running for later blocks, then stopped."""
+    page = tmp_path / "x.md"
+    marker = tmp_path / "stopped"
+    page.write_text(
+        "<!-- run: background until=ready -->\n"
+        f"```sh\ntrap 'touch {shlex.quote(str(marker))}; exit 0' TERM\necho ready\n"
+        "while true; do sleep 0.1; done\n```\n"
+        f"```sh\ntest ! -e {shlex.quote(str(marker))}\n```\n"
+    )
+    blocks, problems = parse_page(page)
+    assert problems == []
+    assert run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9") is None
+    assert marker.exists()
+
+
+def test_shell_blocks_of_a_page_share_exports_and_directory(tmp_path: Path) -> None:
+    """A later shell block sees an earlier one's exports and cwd, as in one terminal."""
+    page = tmp_path / "x.md"
+    page.write_text(
+        "```sh\nexport GREETING=hello\ncd /tmp\n```\n"
+        '```console\n$ test "$GREETING" = hello\n$ test "$PWD" = /tmp\nsample output\n```\n'
+    )
+    blocks, problems = parse_page(page)
+    assert problems == []
+    assert run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9") is None
+
+
+def test_npx_runs_the_pinned_mongosh_only_with_yes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``npx --yes mongosh`` reaches the pinned binary; plain ``npx mongosh`` fails as it does without a prompt."""
+    monkeypatch.setattr(sys.modules[__name__], "mongosh_path", lambda: Path("/bin/echo"))
+    page = tmp_path / "x.md"
+    page.write_text('```sh\ntest "$(npx --yes mongosh hi)" = hi\n```\n```sh\nnpx mongosh hi\n```\n')
+    blocks, _ = parse_page(page)
+    failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
+    assert failure is not None
+    assert failure.startswith("x.md:4 (```sh) failed: exit status 1:\nnpm error canceled"), failure
