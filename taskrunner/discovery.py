@@ -18,7 +18,6 @@ is away altogether is one error line per outage and quiet jittered retries.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from datetime import datetime
@@ -28,7 +27,7 @@ import structlog
 
 from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable
 from taskrunner.models import Task
-from taskrunner.redact import redact
+from taskrunner.outage import Outage
 from taskrunner.store.base import ChangeEvent, Store
 
 log = structlog.get_logger("taskrunner.discovery")
@@ -59,8 +58,23 @@ class Discovery:
         self.owned: Mapping[str, Sequence[int]] | None = None
         """Buckets whose inserts the stream hears, per name (None: all; see ``listen``)."""
         self._token: Mapping[str, Any] | None = None
-        self._failures = 0
-        self._stream_failures = 0
+        # A server that is away: one error line per outage, quick jittered retries.
+        self._server = Outage(
+            log,
+            "discovery lost the server; retrying",
+            "discovery recovered",
+            level="error",
+            base=0.2,
+            cap=MAX_BACKOFF,
+        )
+        # A stream that keeps failing: one warning, polling meanwhile, slower retries.
+        self._stream_outage = Outage(
+            log,
+            "change stream failing; polling instead while retrying it",
+            "change stream recovered; sweeping on events again",
+            base=1.0,
+            cap=MAX_STREAM_RETRY,
+        )
         self._reported: dict[str | None, str] = {}
         self._listened = False
 
@@ -100,7 +114,7 @@ class Discovery:
                 log.info("change stream history lost; sweeping")
                 self._token = None
             except StoreUnavailable as exc:
-                await self._back_off(stop, exc)
+                await _pause(stop, self._server.failed(exc))
             except StoreError as exc:  # unsupported, unauthorized, getMores failing, ...
                 await self._degrade(stop, exc)
 
@@ -108,7 +122,7 @@ class Discovery:
         owned = self.owned
         stream = await self.store.watch(resume_after=self._token, work_for=self.names, owned=owned)
         try:
-            self._recovered()  # the server answered the aggregate that opened the stream
+            self._server.ok()  # the server answered the aggregate that opened the stream
             if not self._listened:  # from here on every insert and wake reaches the worker
                 log.info("change stream opened")
                 self._listened = True
@@ -126,35 +140,18 @@ class Discovery:
                 await stream.close()
 
     def _opened(self) -> None:
-        if self.polling:
-            log.info("change stream recovered; sweeping on events again", failures=self._stream_failures)
-            self.polling = False
-        self._stream_failures = 0
+        self._stream_outage.ok()
+        self.polling = False
 
     async def _degrade(self, stop: asyncio.Event, exc: StoreError) -> None:
         """Poll (sweep every poll interval) and retry the stream with capped backoff."""
         if not self.polling:
-            log.warning("change stream failing; polling instead while retrying it", reason=redact(str(exc)))
             self.polling = True
             self.sweep_at(None)
-        self._stream_failures += 1
-        delay = min(MAX_STREAM_RETRY, 0.5 * 2 ** min(self._stream_failures, 8)) * random.uniform(0.5, 1.0)
-        with suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+        await _pause(stop, self._stream_outage.failed(exc))
 
-    def _recovered(self) -> None:
-        if self._failures:
-            log.info("discovery recovered", failures=self._failures)
-            self._failures = 0
 
-    async def _back_off(self, stop: asyncio.Event, exc: StoreError) -> None:
-        # One log line per outage, then quiet retries with jittered exponential backoff,
-        # capped low enough that the worker is back within seconds of the server.
-        if self._failures == 0:
-            log.error("discovery lost the server; retrying", error=redact(str(exc)))
-        else:
-            log.debug("discovery lost the server; retrying", error=redact(str(exc)), failures=self._failures)
-        self._failures += 1
-        delay = min(MAX_BACKOFF, 0.2 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
-        with suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds``, or less if ``stop`` is set meanwhile."""
+    with suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -18,6 +18,8 @@
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
         ├── WriteRejected               refused, e.g. by a $jsonSchema validator
+        ├── DuplicateKey                a unique index refused an insert: another writer was first
+        ├── PartialBulkWrite            some writes of one bulk write failed; each one's error
         ├── ChangeHistoryLost           a change stream cannot resume; rescan
         └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
@@ -129,6 +131,19 @@ class StoreUnavailable(StoreError):
 
 class WriteRejected(StoreError):
     """The database refused a write (validator, document too large, ...)."""
+
+
+class DuplicateKey(StoreError):
+    """A unique index refused the write: another writer created that document first."""
+
+
+class PartialBulkWrite(StoreError):
+    """Some writes of one bulk write failed: ``errors`` holds each failed write's error by
+    its position, ``matched`` how many of the others matched a document."""
+
+    def __init__(self, message: str, matched: int, errors: dict[int, StoreError]) -> None:
+        self.matched, self.errors = matched, errors
+        super().__init__(message)
 
 
 class ChangeHistoryLost(StoreError):

@@ -122,8 +122,19 @@ THROTTLED_GATES: Final = "throttled_gates"
 GATE: Final = "gate"
 UNTIL: Final = "until"
 RESUMED_AT: Final = "resumed_at"
-SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
-                              JITTER, GRACE)  # fmt: skip
+SCHEDULE_DEFINITION: Final = (
+    NAME,
+    PARAMS,
+    PRIORITY,
+    OPTIONS,
+    CRON,
+    EVERY,
+    TIMEZONE,
+    CATCH_UP,
+    MAX_CATCH_UP,
+    JITTER,
+    GRACE,
+)
 """Fields a worker writes from its app's code at start; the rest is the schedule's state."""
 
 

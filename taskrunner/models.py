@@ -167,10 +167,6 @@ class TaskError(BaseModel):
     message: str
     traceback: str | None = None
 
-    @classmethod
-    def from_exception(cls, exc: BaseException, traceback: str | None = None) -> TaskError:
-        return cls(type=type(exc).__qualname__, message=str(exc), traceback=traceback)
-
 
 class WorkerEntry(BaseModel):
     """One claim of a task by a worker (an element of ``workers``)."""
@@ -190,10 +186,6 @@ class WorkerEntry(BaseModel):
     finished_at: UtcDatetime | None = None
     took_over: list[str] = Field(default_factory=list)
     """Workers whose expired leases this claim dropped (a takeover)."""
-
-    def live(self, now: datetime) -> bool:
-        """RUNNING with a lease that has not expired at ``now`` (server time)."""
-        return self.state is EntryState.RUNNING and self.expires_at > now
 
 
 class NewTask(BaseModel):
@@ -303,9 +295,6 @@ class Task(BaseModel):
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
-
-    def live_entries(self, now: datetime) -> list[WorkerEntry]:
-        return [w for w in self.workers if w.live(now)]
 
     @property
     def successes(self) -> int:

@@ -8,7 +8,6 @@ null or not a date never matches.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -16,6 +15,7 @@ from typing import Any
 
 from taskrunner import fields as f
 from taskrunner.models import EntryState, NewTask, Task, TaskState
+from taskrunner.store.base import RunStatus
 
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
@@ -71,7 +71,8 @@ def summarize(doc: Doc, now: datetime) -> None:
     if concurrency is not None and successes(doc) + len(live) < concurrency:
         doc[f.CLAIMABLE_AT] = run_at
     else:
-        # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+        # Slots are full: a slot frees when the earliest live lease expires, so a new
+        # claimer is not woken before then.
         earliest = min((w[f.EXPIRES_AT] for w in live), default=run_at)
         doc[f.CLAIMABLE_AT] = max(run_at, earliest) if isinstance(run_at, datetime) else earliest
 
@@ -166,11 +167,19 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
     timeout = _num(option(doc, f.PING_TIMEOUT))
     entry = {
-        f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
-        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: None if timeout is None else now + timedelta(seconds=timeout),
-        f.ATTEMPT: attempt, f.PROGRESS: None, f.RESULT: None,
-        f.ERROR: None, f.FINISHED_AT: None, f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
-    }  # fmt: skip
+        f.WORKER_ID: worker_id,
+        f.RUN_ID: run_id,
+        f.STATE: EntryState.RUNNING.value,
+        f.CLAIMED_AT: now,
+        f.PING_AT: now,
+        f.EXPIRES_AT: None if timeout is None else now + timedelta(seconds=timeout),
+        f.ATTEMPT: attempt,
+        f.PROGRESS: None,
+        f.RESULT: None,
+        f.ERROR: None,
+        f.FINISHED_AT: None,
+        f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
+    }
     doc[f.ATTEMPTS] = attempt
     doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
     summarize(doc, now)
@@ -179,23 +188,16 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
 def claim_order(doc: Doc) -> tuple[float, str, str]:
     """Priority descending, then oldest (the claim sort), total even for odd field types."""
     created = doc.get(f.CREATED_AT)
-    return (-(_num(doc.get(f.PRIORITY)) or 0.0), created.isoformat() if isinstance(created, datetime) else "",
-            str(doc.get(f.ID)))  # fmt: skip
+    return (
+        -(_num(doc.get(f.PRIORITY)) or 0.0),
+        created.isoformat() if isinstance(created, datetime) else "",
+        str(doc.get(f.ID)),
+    )
 
 
 def running_entry(doc: Doc, run_id: str) -> Doc | None:
     """The RUNNING entry of ``run_id``: the fencing check every state write makes."""
     return next((w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_running(w)), None)
-
-
-class RunStatus(enum.Enum):
-    """What a fenced write for one run found (see ``Store.write_runs``)."""
-
-    DONE = "done"
-    LOST = "lost"  # no RUNNING entry of this run any more: another worker owns the task
-    CANCELED = "canceled"  # renewal refused: the task was canceled
-    NOT_ALLOWED = "not allowed"  # renewal refused: worker_ids no longer name this worker
-    UNCONFIRMED = "unconfirmed"  # still owned, but this renewal cannot be shown to have landed
 
 
 def renewal_status(doc: Doc | None, run_id: str, worker_id: str) -> RunStatus:
@@ -326,10 +328,16 @@ def updatable(doc: Doc) -> bool:
 def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
     """``update_pending``: new params, priority, run_at and options; not a new task."""
     run_at = start_time(task, now)
-    doc.update({
-        f.PARAMS: task.params, f.PRIORITY: task.priority, f.OPTIONS: task.options.model_dump(),
-        f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at, f.UPDATED_AT: now,
-    })  # fmt: skip
+    doc.update(
+        {
+            f.PARAMS: task.params,
+            f.PRIORITY: task.priority,
+            f.OPTIONS: task.options.model_dump(),
+            f.RUN_AT: run_at,
+            f.CLAIMABLE_AT: run_at,
+            f.UPDATED_AT: now,
+        }
+    )
     if doc[f.FAILURES] >= task.options.max_failures:
         doc[f.STATE] = TaskState.FAIL.value
         doc.pop(f.CLAIMABLE_AT)
@@ -354,7 +362,7 @@ def next_claim(task: Task, worker_id: str) -> datetime | None:
         return None
     mine = [w for w in task.workers if w.worker_id == worker_id]
     if any(w.state is EntryState.SUCCESS for w in mine):
-        return None  # mscheduler gap 6: never run the same task twice on one worker
+        return None  # a worker never runs the same task twice (its success counts once)
     running = [w.expires_at for w in mine if w.state is EntryState.RUNNING]
     return max([task.claimable_at, *running])
 

@@ -17,9 +17,8 @@ import pytest
 from pymongo import ReturnDocument
 
 from taskrunner import MongoStore, NewTask
-from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
-from taskrunner.store.base import RunWrite
+from taskrunner.store.base import RunStatus, RunWrite
 
 pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import runs
 from pymongo.errors import WriteError
 
 from taskrunner import (
@@ -26,9 +27,8 @@ from taskrunner import (
 )
 from taskrunner.errors import ScheduleNotFound
 from taskrunner.models import WorkerInfo
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunWrite, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunStatus, RunWrite, Store
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]
@@ -137,7 +137,7 @@ async def test_a_worker_claims_a_task_once(store: Store) -> None:
     await publish(store, task("twice", options={"concurrency": 2}))
     claim = await store.claim("w1", key="twice")
     assert claim is not None and await store.claim("w1", key="twice") is None
-    await store.succeed("twice", claim.run_id, {"ok": True})
+    await runs.succeed(store, "twice", claim.run_id, {"ok": True})
     assert await store.claim("w1", key="twice") is None
     assert await store.claim("w2", key="twice") is not None
 
@@ -147,12 +147,16 @@ async def test_stale_run_id_changes_nothing_and_reports_a_lost_claim(store: Stor
     await publish(store, task("fence"))
     claim = await store.claim("w1", key="fence")
     assert claim is not None
-    await store.succeed("fence", claim.run_id, 1)
+    await runs.succeed(store, "fence", claim.run_id, 1)
     before = await store.get("fence")
     error = TaskError(type="X", message="late")
-    for write in (store.ping("fence", claim.run_id), store.succeed("fence", claim.run_id, 2),
-                  store.fail("fence", claim.run_id, error), store.release("fence", claim.run_id),
-                  store.ping("fence", "never-issued")):  # fmt: skip
+    for write in (
+        runs.ping(store, "fence", claim.run_id),
+        runs.succeed(store, "fence", claim.run_id, 2),
+        runs.fail(store, "fence", claim.run_id, error),
+        store.release("fence", claim.run_id),
+        runs.ping(store, "fence", "never-issued"),
+    ):
         with pytest.raises(ClaimLost):
             await write
     assert await store.get("fence") == before
@@ -169,7 +173,7 @@ async def test_expired_lease_is_taken_over_and_fences_the_old_run(store: Store) 
     assert new.task.failures == 1  # a lost lease spends the failure budget
     assert new.entry.took_over == ["w1"] and old.entry.took_over == []
     with pytest.raises(ClaimLost):
-        await store.ping("lease", old.run_id)
+        await runs.ping(store, "lease", old.run_id)
 
 
 async def test_ping_extends_the_lease(store: Store) -> None:
@@ -179,7 +183,7 @@ async def test_ping_extends_the_lease(store: Store) -> None:
     assert claim is not None
     for _ in range(4):
         await asyncio.sleep(0.25)
-        pinged = await store.ping("alive", claim.run_id, progress={"done": 0.5})
+        pinged = await runs.ping(store, "alive", claim.run_id, progress={"done": 0.5})
     assert pinged.entry(claim.run_id).progress == {"done": 0.5}  # type: ignore[union-attr]
     assert await store.claim("w2", key="alive") is None
 
@@ -198,14 +202,14 @@ async def test_failure_spends_budget_and_waits_for_backoff(store: Store) -> None
     await publish(store, task("flaky", options={"max_failures": 2, "retry_backoff": 0.4}))
     first = await store.claim("w1", key="flaky")
     assert first is not None
-    failed = await store.fail("flaky", first.run_id, TaskError(type="ValueError", message="boom"))
+    failed = await runs.fail(store, "flaky", first.run_id, TaskError(type="ValueError", message="boom"))
     assert failed.state is TaskState.PENDING and failed.failures == 1
     assert failed.workers[0].error == TaskError(type="ValueError", message="boom")
     assert await store.claim("w2", key="flaky") is None
     await asyncio.sleep(0.6)
     second = await store.claim("w2", key="flaky")
     assert second is not None
-    done = await store.fail("flaky", second.run_id, TaskError(type="ValueError", message="again"))
+    done = await runs.fail(store, "flaky", second.run_id, TaskError(type="ValueError", message="again"))
     assert done.state is TaskState.FAIL and done.claimable_at is None
 
 
@@ -214,7 +218,7 @@ async def test_failure_waits_the_delay_the_worker_chose(store: Store) -> None:
     await publish(store, task("later", options={"retry_backoff": 0}))
     claim = await store.claim("w1", key="later")
     assert claim is not None
-    failed = await store.fail("later", claim.run_id, TaskError(type="E", message="m"), retry_in=120)
+    failed = await runs.fail(store, "later", claim.run_id, TaskError(type="E", message="m"), retry_in=120)
     finished_at = failed.workers[0].finished_at
     assert failed.state is TaskState.PENDING and failed.failures == 1 and finished_at is not None
     assert failed.run_at == failed.claimable_at
@@ -228,7 +232,7 @@ async def test_final_failure_ends_the_task_without_spending_budget(store: Store)
     await publish(store, task("doomed", options={"max_failures": 5}))
     claim = await store.claim("w1", key="doomed")
     assert claim is not None
-    failed = await store.fail("doomed", claim.run_id, TaskError(type="Fail", message="no"), final=True)
+    failed = await runs.fail(store, "doomed", claim.run_id, TaskError(type="Fail", message="no"), final=True)
     assert failed.state is TaskState.FAIL and failed.fatal and failed.failures == 0
     assert failed.claimable_at is None and failed.finished_at is not None
     assert await store.claim("w2", key="doomed") is None
@@ -267,8 +271,8 @@ async def test_success_needs_concurrency_distinct_workers(store: Store) -> None:
     await publish(store, task("pair", options={"concurrency": 2}))
     a, b = await store.claim("w1", key="pair"), await store.claim("w2", key="pair")
     assert a is not None and b is not None
-    assert (await store.succeed("pair", a.run_id, "a")).state is TaskState.RUNNING
-    assert (await store.succeed("pair", b.run_id, "b")).state is TaskState.SUCCESS
+    assert (await runs.succeed(store, "pair", a.run_id, "a")).state is TaskState.RUNNING
+    assert (await runs.succeed(store, "pair", b.run_id, "b")).state is TaskState.SUCCESS
 
 
 async def test_claim_respects_worker_ids_run_at_and_priority(store: Store) -> None:
@@ -302,7 +306,7 @@ async def test_update_pending_and_republish_finished(store: Store) -> None:
     assert claim is not None
     [running] = await publish(store, task("u", params={"v": 3}), update_pending=True)
     assert running.params == {"v": 2}
-    await store.succeed("u", claim.run_id)
+    await runs.succeed(store, "u", claim.run_id)
     [again] = await publish(store, task("u", params={"v": 4}), republish_finished=True)
     assert again.created and again.state is TaskState.PENDING and again.workers == []
     assert again.params == {"v": 4} and await store.count() == 1
@@ -327,12 +331,29 @@ async def test_malformed_documents_are_never_claimed(
 ) -> None:
     """Null, missing and wrong-typed claim fields never match (MongoDB's type bracketing)."""
     past = datetime.now(UTC) - timedelta(hours=1)
-    base: dict[str, Any] = {"key": "bad", "name": "job", "params": {}, "priority": 0, "created_at": past,
-                            "updated_at": past, "run_at": past, "claimable_at": past, "state": "PENDING",
-                            "failures": 0, "attempts": 0, "workers": [],
-                            "options": {"concurrency": 1, "max_failures": 3, "local_retries": 0,
-                                        "retry_backoff": 1, "ping_interval": 1, "ping_timeout": 5,
-                                        "worker_ids": []}}  # fmt: skip
+    base: dict[str, Any] = {
+        "key": "bad",
+        "name": "job",
+        "params": {},
+        "priority": 0,
+        "created_at": past,
+        "updated_at": past,
+        "run_at": past,
+        "claimable_at": past,
+        "state": "PENDING",
+        "failures": 0,
+        "attempts": 0,
+        "workers": [],
+        "options": {
+            "concurrency": 1,
+            "max_failures": 3,
+            "local_retries": 0,
+            "retry_backoff": 1,
+            "ping_interval": 1,
+            "ping_timeout": 5,
+            "worker_ids": [],
+        },
+    }
     base.update(doc)
     if base["claimable_at"] == "MISSING":
         del base["claimable_at"]
@@ -385,7 +406,7 @@ async def test_watch_delivers_changes_and_resumes_from_a_token(store: Store) -> 
     assert claim is not None
     [second] = await next_events(stream, 1)
     await stream.close()
-    await store.succeed("w", claim.run_id, 42)
+    await runs.succeed(store, "w", claim.run_id, 42)
     await publish(store, task("w2"))
     resumed = await store.watch(resume_after=first.token)
     events = await next_events(resumed, 3)
@@ -429,11 +450,11 @@ async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_
     inserts = await next_events(stream, 2)
     claim = await store.claim("w1", key="a")
     assert claim is not None
-    await store.ping("a", claim.run_id)
-    await store.fail("a", claim.run_id, TaskError(type="E", message="once"))  # budget left: wakes
+    await runs.ping(store, "a", claim.run_id)
+    await runs.fail(store, "a", claim.run_id, TaskError(type="E", message="once"))  # budget left: wakes
     second = await store.claim("w1", key="b")
     assert second is not None
-    await store.succeed("b", second.run_id, 1)
+    await runs.succeed(store, "b", second.run_id, 1)
     [wake] = await next_events(stream, 1)
     assert await stream.next(0.3) is None
     await stream.close()
@@ -467,7 +488,7 @@ async def test_a_release_and_a_retry_wake_a_workers_stream(store: Store) -> None
     assert claim is not None and failed is not None
     stream = await store.watch(work_for=["job"])
     await store.release("r", claim.run_id)
-    await store.fail("f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
+    await runs.fail(store, "f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
     await store.retry("f")
     events = await next_events(stream, 2)
     assert await stream.next(0.3) is None
@@ -485,7 +506,7 @@ async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store
     claim = await store.claim("w1", key="mine")
     done = await store.claim("w2", key="done")
     assert claim is not None and done is not None
-    await store.succeed("done", done.run_id)
+    await runs.succeed(store, "done", done.run_id)
     now = await store.server_time()
     page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
     assert [t.key for t in page.tasks] == ["old", "later"] and page.after is None
@@ -528,12 +549,14 @@ async def test_validator_accepts_every_write_taskrunner_makes(store: Store) -> N
     await publish(store, task("v", options={"concurrency": 2, "retry_backoff": 0}))
     first, second = await store.claim("w1"), await store.claim("w2")
     assert first is not None and second is not None
-    await store.ping("v", first.run_id, progress={"p": 1})
-    await store.fail("v", first.run_id, TaskError(type="E", message="m", traceback="tb"))
+    await runs.ping(store, "v", first.run_id, progress={"p": 1})
+    await runs.fail(store, "v", first.run_id, TaskError(type="E", message="m", traceback="tb"))
     await store.release("v", second.run_id)
     third = await store.claim("w1")
     assert third is not None
-    assert (await store.succeed("v", third.run_id, {"r": 1})).state is TaskState.PENDING  # 1 of 2 successes
+    assert (
+        await runs.succeed(store, "v", third.run_id, {"r": 1})
+    ).state is TaskState.PENDING  # 1 of 2 successes
     with pytest.raises(WriteError, match=r"[Vv]alidation"):
         await store.collection.insert_one({"key": "broken"})
 
@@ -559,10 +582,23 @@ async def test_claiming_an_unreadable_document_records_a_failure(store: Store, r
     """A claimable document that cannot be read fails at once (MalformedTask, ``fatal``), with
     budget left, instead of looping; its failure count is not touched."""
     past = datetime.now(UTC) - timedelta(hours=1)
-    await raw_insert({"key": "odd", "name": "job", "params": "not-an-object", "priority": "high",
-                      "created_at": past, "updated_at": past, "run_at": past, "claimable_at": past,
-                      "state": "PENDING", "failures": 0, "attempts": 0, "workers": [],
-                      "options": {"concurrency": 1, "max_failures": 3, "ping_timeout": 5, "worker_ids": []}})  # fmt: skip
+    await raw_insert(
+        {
+            "key": "odd",
+            "name": "job",
+            "params": "not-an-object",
+            "priority": "high",
+            "created_at": past,
+            "updated_at": past,
+            "run_at": past,
+            "claimable_at": past,
+            "state": "PENDING",
+            "failures": 0,
+            "attempts": 0,
+            "workers": [],
+            "options": {"concurrency": 1, "max_failures": 3, "ping_timeout": 5, "worker_ids": []},
+        }
+    )
     with pytest.raises(MalformedTask, match="params"):
         await store.claim("w1")
     assert await store.claim("w2") is None
@@ -574,7 +610,7 @@ async def test_claiming_an_unreadable_document_records_a_failure(store: Store, r
 
 async def _raw_docs(store: Store) -> AsyncIterator[dict[str, Any]]:
     if isinstance(store, MemoryStore):
-        for doc in store._docs.values():
+        for doc in store.documents():
             yield doc
     else:
         assert isinstance(store, MongoStore)
@@ -632,15 +668,20 @@ async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(
     assert len(claims) == 5
     await store.release("r1", claims["r1"].run_id)  # r1: no longer owned
     await store.cancel("r2")
-    await store.succeed("r4", claims["r4"].run_id, "first")  # r4: outcome already written
+    await runs.succeed(store, "r4", claims["r4"].run_id, "first")  # r4: outcome already written
 
     def write(kind: Any, key: str, value: Any = None) -> RunWrite:
         return RunWrite(kind, key, claims[key].run_id, "w1", value)
 
-    results = await store.write_runs([
-        write("ping", "r0", {"p": 1}), write("ping", "r1"), write("ping", "r2"),
-        write("success", "r3", 42), write("failure", "r1", Failure(TaskError(type="X", message="m"))),
-    ])  # fmt: skip
+    results = await store.write_runs(
+        [
+            write("ping", "r0", {"p": 1}),
+            write("ping", "r1"),
+            write("ping", "r2"),
+            write("success", "r3", 42),
+            write("failure", "r1", Failure(TaskError(type="X", message="m"))),
+        ]
+    )
     assert results == [RunStatus.DONE, RunStatus.LOST, RunStatus.CANCELED, RunStatus.DONE, RunStatus.LOST]
     # A retried outcome whose first try landed reports DONE and changes nothing.
     assert await store.write_runs([write("success", "r4", "again")]) == [RunStatus.DONE]
@@ -669,8 +710,20 @@ async def test_a_declared_schedule_keeps_its_state_and_records_ticks_once(store:
     """Declaring again updates the definition but keeps paused and last_tick; a tick is recorded only over the tick read."""
 
     def spec(cron: str) -> Any:
-        return declare(name="report", schedule_id="r", cron=cron, every=None, timezone="Europe/Paris", params={},
-                       priority=0, options={}, catch_up="latest", max_catch_up=10, jitter=None, grace=5)  # fmt: skip
+        return declare(
+            name="report",
+            schedule_id="r",
+            cron=cron,
+            every=None,
+            timezone="Europe/Paris",
+            params={},
+            priority=0,
+            options={},
+            catch_up="latest",
+            max_catch_up=10,
+            jitter=None,
+            grace=5,
+        )
 
     now = await store.server_time()
     await store.declare_schedule(spec("*/5 * * * *"), now)

@@ -8,6 +8,7 @@ token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.limits import LimitState
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 
 Window = tuple[datetime, datetime]
@@ -71,6 +71,16 @@ class RunWrite:
     run_id: str
     worker_id: str
     value: Any = None
+
+
+class RunStatus(enum.Enum):
+    """What a fenced write for one run found (see ``Store.write_runs``)."""
+
+    DONE = "done"
+    LOST = "lost"  # no RUNNING entry of this run any more: another worker owns the task
+    CANCELED = "canceled"  # renewal refused: the task was canceled
+    NOT_ALLOWED = "not allowed"  # renewal refused: worker_ids no longer name this worker
+    UNCONFIRMED = "unconfirmed"  # still owned, but this renewal cannot be shown to have landed
 
 
 RunResult = RunStatus | StoreError
@@ -139,8 +149,8 @@ def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
 
 
 class ChangeStream(Protocol):
-    """An open stream of change events. Open it before scanning, so nothing written
-    during the scan is missed (the seed's discovery order)."""
+    """An open stream of change events. Open it before scanning: then nothing written
+    during the scan is missed (a write lands either before the scan reads or in the stream)."""
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
@@ -235,16 +245,6 @@ class Store(Protocol):
         before is ``DONE`` too), else ``LOST``. ``UNCONFIRMED``: the run still owns its
         entry but this renewal cannot be shown to have landed; renew again.
         Raises ``StoreError`` when the whole batch failed (e.g. the server is away)."""
-
-    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        """Extend the run's lease to server now + ping_timeout."""
-
-    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task: ...
-
-    async def fail(
-        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
-    ) -> Task:
-        """Record the run's failure (see ``Failure``)."""
 
     async def release(self, key: str, run_id: str) -> Task:
         """Give the claim back without spending the failure budget."""

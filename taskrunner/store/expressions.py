@@ -91,28 +91,39 @@ def summary_stages() -> list[Expr]:
     state = {
         "$switch": {
             "branches": [
-                {"case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]}, "then": TaskState.CANCELED.value},
+                {
+                    "case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]},
+                    "then": TaskState.CANCELED.value,
+                },
                 {"case": {"$eq": [f.ref(f.FATAL), True]}, "then": TaskState.FAIL.value},
-                {"case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
-                 "then": TaskState.SUCCESS.value},
+                {
+                    "case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
+                    "then": TaskState.SUCCESS.value,
+                },
                 {"case": {"$gt": [count(IS_RUNNING), 0]}, "then": TaskState.RUNNING.value},
-                {"case": {"$or": [_not(_is_number(f.opt(f.MAX_FAILURES))),
-                                  {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]}]},
-                 "then": TaskState.FAIL.value},
+                {
+                    "case": {
+                        "$or": [
+                            _not(_is_number(f.opt(f.MAX_FAILURES))),
+                            {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]},
+                        ]
+                    },
+                    "then": TaskState.FAIL.value,
+                },
             ],
             "default": TaskState.PENDING.value,
         }
-    }  # fmt: skip
+    }
     claimable_at = {
         "$switch": {
             "branches": [
                 {"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": "$$REMOVE"},
                 {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": f.ref(f.RUN_AT)},
             ],
-            # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+            # Slots are full: a slot frees when the earliest live lease expires.
             "default": {"$max": [f.ref(f.RUN_AT), earliest(f"{live}.{f.EXPIRES_AT}")]},
         }
-    }  # fmt: skip
+    }
     return [
         {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(IS_LIVE)}},
         {"$set": {f.STATE: state, f.UPDATED_AT: NOW}},
@@ -136,8 +147,12 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
             {"$lt": [{"$add": [succ, live]}, CONCURRENCY]},
         ]
     }
-    counts = {"live": count(IS_LIVE), "expired": count(IS_EXPIRED), "succ": count(IS_SUCCESS),
-              "mine": count(mine_active)}  # fmt: skip
+    counts = {
+        "live": count(IS_LIVE),
+        "expired": count(IS_EXPIRED),
+        "succ": count(IS_SUCCESS),
+        "mine": count(mine_active),
+    }
     check = {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}}
     return _due_for(worker_id, {"$in": list(ACTIVE)}, {"$type": "array"}, check)
 
@@ -208,8 +223,14 @@ def fresh_claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     claimable_at = {
         "$cond": [one_slot_left, f.ref(f.RUN_AT), {"$max": [f.ref(f.RUN_AT), entry[f.EXPIRES_AT]]}]
     }
-    changes = {f.ATTEMPTS: attempts, f.WORKERS: [entry], f.STATE: TaskState.RUNNING.value, f.UPDATED_AT: NOW,
-               f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: "$$REMOVE"}  # fmt: skip
+    changes = {
+        f.ATTEMPTS: attempts,
+        f.WORKERS: [entry],
+        f.STATE: TaskState.RUNNING.value,
+        f.UPDATED_AT: NOW,
+        f.CLAIMABLE_AT: claimable_at,
+        f.FINISHED_AT: "$$REMOVE",
+    }
     return [{"$set": changes}]
 
 
@@ -230,12 +251,20 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     return [
         {"$set": {"_tr_exp": entries(IS_EXPIRED), "_tr_nlive": count(IS_LIVE)}},
         {"$set": {"_tr_reap": reapable("$_tr_nlive", {"$size": expired})}},
-        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
-                  f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]}}},
-        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}}},
+        {
+            "$set": {
+                f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
+                f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]},
+            }
+        },
+        {
+            "$set": {
+                f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}
+            }
+        },
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
         *summary_stages(),
-    ]  # fmt: skip
+    ]
 
 
 def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
@@ -375,11 +404,18 @@ def quick_success(key: str, run_id: str, result: Any) -> tuple[dict[str, Any], d
     run = "run"
     query = {**entry_filter(key, run_id), f.STATE: TaskState.RUNNING.value, f.opt(f.CONCURRENCY): 1}
     update = {
-        "$set": {f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
-                 f"{f.WORKERS}.$[{run}].{f.RESULT}": result, f.STATE: TaskState.SUCCESS.value},
-        "$currentDate": {f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}": True, f.FINISHED_AT: True, f.UPDATED_AT: True},
+        "$set": {
+            f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
+            f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
+            f.STATE: TaskState.SUCCESS.value,
+        },
+        "$currentDate": {
+            f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}": True,
+            f.FINISHED_AT: True,
+            f.UPDATED_AT: True,
+        },
         "$unset": {f.CLAIMABLE_AT: ""},
-    }  # fmt: skip
+    }
     return query, update, [{f"{run}.{f.RUN_ID}": run_id}]
 
 
@@ -494,18 +530,32 @@ def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
 def stats_pipeline() -> list[Expr]:
     """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
     hour_ago = {"$subtract": [NOW, 3_600_000]}
-    recent = {"$and": [{"$in": [f"$workers.{f.STATE}", ["SUCCESS", "FAIL"]]},
-                       {"$gte": [f"$workers.{f.FINISHED_AT}", hour_ago]}]}  # fmt: skip
+    recent = {
+        "$and": [
+            {"$in": [f"$workers.{f.STATE}", ["SUCCESS", "FAIL"]]},
+            {"$gte": [f"$workers.{f.FINISHED_AT}", hour_ago]},
+        ]
+    }
     return [
-        {"$facet": {
-            "by": [{"$group": {"_id": {"name": f.ref(f.NAME), "state": f.ref(f.STATE)}, "n": {"$sum": 1}}}],
-            "oldest": [{"$match": {f.STATE: TaskState.PENDING.value}},
-                       {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}}],
-            "recent": [{"$match": {f.WORKERS: {"$type": "array"}}}, {"$unwind": f.ref(f.WORKERS)},
-                       {"$match": {"$expr": recent}}, {"$group": {"_id": f"$workers.{f.STATE}", "n": {"$sum": 1}}}],
-        }},
+        {
+            "$facet": {
+                "by": [
+                    {"$group": {"_id": {"name": f.ref(f.NAME), "state": f.ref(f.STATE)}, "n": {"$sum": 1}}}
+                ],
+                "oldest": [
+                    {"$match": {f.STATE: TaskState.PENDING.value}},
+                    {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}},
+                ],
+                "recent": [
+                    {"$match": {f.WORKERS: {"$type": "array"}}},
+                    {"$unwind": f.ref(f.WORKERS)},
+                    {"$match": {"$expr": recent}},
+                    {"$group": {"_id": f"$workers.{f.STATE}", "n": {"$sum": 1}}},
+                ],
+            }
+        },
         {"$addFields": {"now": NOW}},
-    ]  # fmt: skip
+    ]
 
 
 def throttle_update(seconds: float) -> list[Expr]:

@@ -31,7 +31,6 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store.base import (
     ChangeEvent,
@@ -41,6 +40,7 @@ from taskrunner.store.base import (
     EventKind,
     Page,
     RunResult,
+    RunStatus,
     RunWrite,
     Window,
     due_page,
@@ -119,9 +119,14 @@ class MemoryStore:
         self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
         self._emit("insert", doc)
 
-    def raw(self, key: str) -> Doc:
+    def document(self, key: str) -> Doc:
+        """A copy of the stored document of ``key`` as it is, malformed or not (``KeyError`` if none)."""
         doc: Doc = _clone(self._docs[key])
         return doc
+
+    def documents(self) -> list[Doc]:
+        """Copies of every stored task document, in insertion order."""
+        return [_clone(doc) for doc in self._docs.values()]
 
     # -- Store --------------------------------------------------------------------
     async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
@@ -300,22 +305,6 @@ class MemoryStore:
         self._emit("update", doc)
         return self._task(doc)
 
-    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        progress = _clone(progress)
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_ping(d, e, now, progress))
-
-    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
-        result = _clone(result)
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_success(d, e, result, now))
-
-    async def fail(
-        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
-    ) -> Task:
-        err = error.model_dump()
-        return self._run_write(
-            key, run_id, lambda d, e, now: rules.apply_failure(d, e, err, now, retry_in, final)
-        )
-
     async def release(self, key: str, run_id: str) -> Task:
         return self._run_write(key, run_id, rules.apply_release)
 
@@ -359,8 +348,14 @@ class MemoryStore:
             by_state[str(doc.get(f.STATE))] = by_state.get(str(doc.get(f.STATE)), 0) + 1
         pending = [d[f.CREATED_AT] for d in self._docs.values() if d.get(f.STATE) == TaskState.PENDING.value]
         hour_ago = now - timedelta(hours=1)
-        recent = [w.get(f.STATE) for d in self._docs.values() for w in d.get(f.WORKERS) or []
-                  if isinstance(w, dict) and isinstance(w.get(f.FINISHED_AT), datetime) and w[f.FINISHED_AT] >= hour_ago]  # fmt: skip
+        recent = [
+            w.get(f.STATE)
+            for d in self._docs.values()
+            for w in d.get(f.WORKERS) or []
+            if isinstance(w, dict)
+            and isinstance(w.get(f.FINISHED_AT), datetime)
+            and w[f.FINISHED_AT] >= hour_ago
+        ]
         return TaskStats(
             counts=counts,
             running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
@@ -398,9 +393,15 @@ class MemoryStore:
     async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
         now, old = self._clock(), self._schedules.get(schedule.id, {})
         self._schedules[schedule.id] = {
-            **old, f.ID: schedule.id, **_clone(schedule.definition()), f.PAUSED: old.get(f.PAUSED, False),
-            f.NEXT_AT: next_at, f.CREATED_AT: old.get(f.CREATED_AT, now), f.DECLARED_AT: now, f.UPDATED_AT: now,
-        }  # fmt: skip
+            **old,
+            f.ID: schedule.id,
+            **_clone(schedule.definition()),
+            f.PAUSED: old.get(f.PAUSED, False),
+            f.NEXT_AT: next_at,
+            f.CREATED_AT: old.get(f.CREATED_AT, now),
+            f.DECLARED_AT: now,
+            f.UPDATED_AT: now,
+        }
 
     async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
         chosen = sorted(self._schedules if ids is None else set(ids) & set(self._schedules))
@@ -448,8 +449,14 @@ class MemoryStore:
             listed = doc.get(f.THROTTLED_GATES)
             listed = listed if isinstance(listed, list) else []
             same = [t[f.UNTIL] for t in listed if isinstance(t, dict) and t.get(f.GATE) == gate]
-            others = [t for t in listed if isinstance(t, dict) and t.get(f.GATE) != gate
-                      and isinstance(t.get(f.UNTIL), datetime) and t[f.UNTIL] > now]  # fmt: skip
+            others = [
+                t
+                for t in listed
+                if isinstance(t, dict)
+                and t.get(f.GATE) != gate
+                and isinstance(t.get(f.UNTIL), datetime)
+                and t[f.UNTIL] > now
+            ]
             longest = max([until, *(u for u in same if isinstance(u, datetime))])
             doc[f.THROTTLED_GATES] = [*others, {f.GATE: gate, f.UNTIL: longest}]
         doc[f.UPDATED_AT] = now
@@ -622,8 +629,9 @@ class _MemoryChangeStream:
         seq, kind, key, doc, changed = fresh
         self._position = seq
         if self._work_for is not None and kind == "update":
-            return ChangeEvent(kind, None, None, {"_data": str(seq)}, wake=True,
-                               wake_at=rules.wake_at(changed or {}))  # fmt: skip
+            return ChangeEvent(
+                kind, None, None, {"_data": str(seq)}, wake=True, wake_at=rules.wake_at(changed or {})
+            )
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None, Doc | None] | None:

@@ -17,6 +17,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+import runs
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
 from workers import WorkerPool, WorkerProcess, finished, wait_for
@@ -365,7 +366,7 @@ async def test_validator_refuses_bad_writes_and_accepts_taskrunners_own(
         assert task.created
         claim = await runner.store.claim("w1", key="valid")
         assert claim is not None
-        done = await runner.store.succeed("valid", claim.run_id, {"ok": True})
+        done = await runs.succeed(runner.store, "valid", claim.run_id, {"ok": True})
         assert done.state is TaskState.SUCCESS and done.results == [{"ok": True}]
         with pytest.raises(WriteRejected):
             await _store_write_refused(runner)
