@@ -87,6 +87,13 @@ ERROR_MESSAGE: Final = "message"
 ERROR_TRACEBACK: Final = "traceback"
 
 
+# -- change events (the documents a MongoDB change stream returns) ---------------------------
+OPERATION_TYPE: Final = "operationType"
+FULL_DOCUMENT: Final = "fullDocument"
+UPDATE_DESCRIPTION: Final = "updateDescription"
+UPDATED_FIELDS: Final = "updatedFields"
+
+
 # -- worker registry (collection "<tasks collection>.workers") --------------------------------
 REGISTRY_SUFFIX: Final = "workers"
 HOST: Final = "host"

@@ -166,23 +166,30 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
         return
     attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
     timeout = _num(option(doc, f.PING_TIMEOUT))
-    entry = {
+    expires_at = None if timeout is None else now + timedelta(seconds=timeout)
+    entry = new_entry(worker_id, run_id, now, expires_at, attempt, [w.get(f.WORKER_ID) for w in expired])
+    doc[f.ATTEMPTS] = attempt
+    doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
+    summarize(doc, now)
+
+
+def new_entry(worker_id: Any, run_id: Any, now: Any, expires_at: Any, attempt: Any, took_over: Any) -> Doc:
+    """The RUNNING entry a claim appends, in the field order the mongo shell shows.
+    ``expressions.new_entry`` passes server expressions for the values."""
+    return {
         f.WORKER_ID: worker_id,
         f.RUN_ID: run_id,
         f.STATE: EntryState.RUNNING.value,
         f.CLAIMED_AT: now,
         f.PING_AT: now,
-        f.EXPIRES_AT: None if timeout is None else now + timedelta(seconds=timeout),
+        f.EXPIRES_AT: expires_at,
         f.ATTEMPT: attempt,
         f.PROGRESS: None,
         f.RESULT: None,
         f.ERROR: None,
         f.FINISHED_AT: None,
-        f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
+        f.TOOK_OVER: took_over,
     }
-    doc[f.ATTEMPTS] = attempt
-    doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
-    summarize(doc, now)
 
 
 def claim_order(doc: Doc) -> tuple[float, str, str]:

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from taskrunner import fields as f
+from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
 from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED
 
@@ -189,21 +190,10 @@ def reapable(live: Expr, expired: Expr) -> Expr:
 
 
 def new_entry(worker_id: str, run_id: str | Expr, attempt: Expr, took_over: Expr) -> dict[str, Expr]:
-    """The RUNNING entry a claim appends."""
-    return {
-        f.WORKER_ID: {"$literal": worker_id},
-        f.RUN_ID: {"$literal": run_id} if isinstance(run_id, str) else run_id,
-        f.STATE: EntryState.RUNNING.value,
-        f.CLAIMED_AT: NOW,
-        f.PING_AT: NOW,
-        f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT)),
-        f.ATTEMPT: attempt,
-        f.PROGRESS: None,
-        f.RESULT: None,
-        f.ERROR: None,
-        f.FINISHED_AT: None,
-        f.TOOK_OVER: took_over,
-    }
+    """The RUNNING entry a claim appends (``rules.new_entry``), stamped in server time."""
+    run = {"$literal": run_id} if isinstance(run_id, str) else run_id
+    expires_at = after_now(f.opt(f.PING_TIMEOUT))
+    return rules.new_entry({"$literal": worker_id}, run, NOW, expires_at, attempt, took_over)
 
 
 def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
@@ -315,9 +305,9 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     workers never reach it, nor do other workers' new tasks. ``rules.hears_insert`` is
     the same judgement in Python.
     """
-    changed = "updateDescription.updatedFields"
-    new = {"operationType": {"$in": ["insert", "replace"]}}
-    name, bucket = f"fullDocument.{f.NAME}", f"fullDocument.{f.BUCKET}"
+    changed = f"{f.UPDATE_DESCRIPTION}.{f.UPDATED_FIELDS}"
+    new = {f.OPERATION_TYPE: {"$in": ["insert", "replace"]}}
+    name, bucket = f"{f.FULL_DOCUMENT}.{f.NAME}", f"{f.FULL_DOCUMENT}.{f.BUCKET}"
     # A name that is not a string belongs to no worker, a bucket out of range to none:
     # every worker hears of those (and names the problem, or claims what it may).
     inserts: list[dict[str, Any]] = [{**new, name: {"$not": {"$type": "string"}}}]
@@ -330,9 +320,9 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     return {
         "$or": [
             *inserts,
-            {"operationType": "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
+            {f.OPERATION_TYPE: "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
             {
-                "operationType": "update",
+                f.OPERATION_TYPE: "update",
                 f"{changed}.{f.RUN_AT}": {"$exists": True},
                 f"{changed}.{f.STATE}": {"$nin": list(FINISHED)},
             },
@@ -530,17 +520,19 @@ def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
 def stats_pipeline() -> list[Expr]:
     """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
     hour_ago = {"$subtract": [NOW, 3_600_000]}
+    entry_state = f.ref(f"{f.WORKERS}.{f.STATE}")  # after $unwind: one entry per document
+    outcomes = [EntryState.SUCCESS.value, EntryState.FAIL.value]
     recent = {
         "$and": [
-            {"$in": [f"$workers.{f.STATE}", ["SUCCESS", "FAIL"]]},
-            {"$gte": [f"$workers.{f.FINISHED_AT}", hour_ago]},
+            {"$in": [entry_state, outcomes]},
+            {"$gte": [f.ref(f"{f.WORKERS}.{f.FINISHED_AT}"), hour_ago]},
         ]
     }
     return [
         {
             "$facet": {
                 "by": [
-                    {"$group": {"_id": {"name": f.ref(f.NAME), "state": f.ref(f.STATE)}, "n": {"$sum": 1}}}
+                    {"$group": {"_id": {f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)}, "n": {"$sum": 1}}}
                 ],
                 "oldest": [
                     {"$match": {f.STATE: TaskState.PENDING.value}},
@@ -550,7 +542,7 @@ def stats_pipeline() -> list[Expr]:
                     {"$match": {f.WORKERS: {"$type": "array"}}},
                     {"$unwind": f.ref(f.WORKERS)},
                     {"$match": {"$expr": recent}},
-                    {"$group": {"_id": f"$workers.{f.STATE}", "n": {"$sum": 1}}},
+                    {"$group": {"_id": entry_state, "n": {"$sum": 1}}},
                 ],
             }
         },

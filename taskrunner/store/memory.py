@@ -360,8 +360,8 @@ class MemoryStore:
             counts=counts,
             running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
             oldest_pending_seconds=(now - min(pending)).total_seconds() if pending else None,
-            finished_last_hour=sum(s in ("SUCCESS", "FAIL") for s in recent),
-            failed_last_hour=recent.count("FAIL"),
+            finished_last_hour=sum(s in (EntryState.SUCCESS.value, EntryState.FAIL.value) for s in recent),
+            failed_last_hour=recent.count(EntryState.FAIL.value),
         )
 
     async def server_time(self) -> datetime:

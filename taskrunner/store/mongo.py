@@ -511,7 +511,7 @@ class MongoStore:
             [doc] = await (await self.collection.aggregate(x.stats_pipeline())).to_list()
         counts: dict[str, dict[str, int]] = {}
         for row in doc["by"]:
-            counts.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("state"))] = row["n"]
+            counts.setdefault(str(row["_id"].get(f.NAME)), {})[str(row["_id"].get(f.STATE))] = row["n"]
         oldest = doc["oldest"][0]["oldest"] if doc["oldest"] else None
         recent = {row["_id"]: row["n"] for row in doc["recent"]}
         return TaskStats(
@@ -520,8 +520,8 @@ class MongoStore:
             oldest_pending_seconds=(doc["now"] - oldest).total_seconds()
             if isinstance(oldest, datetime)
             else None,
-            finished_last_hour=recent.get("SUCCESS", 0) + recent.get("FAIL", 0),
-            failed_last_hour=recent.get("FAIL", 0),
+            finished_last_hour=recent.get(EntryState.SUCCESS.value, 0) + recent.get(EntryState.FAIL.value, 0),
+            failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
 
     async def server_time(self) -> datetime:
@@ -694,9 +694,9 @@ class MongoStore:
             options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
             pipeline = [{"$match": x.work_match(list(work_for), owned)}]
         else:
-            match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
+            match: Doc = {f.OPERATION_TYPE: {"$in": ["insert", "update", "replace", "delete"]}}
             if key is not None:
-                match["fullDocument.key"] = key
+                match[f"{f.FULL_DOCUMENT}.{f.KEY}"] = key
             options, pipeline = (
                 {"full_document": "updateLookup", "max_await_time_ms": _AWAIT_MS},
                 [{"$match": match}],
@@ -749,11 +749,11 @@ class _MongoChangeStream:
 
     @staticmethod
     def _event(change: Doc) -> ChangeEvent:
-        kind: EventKind = change["operationType"]
-        doc = change.get("fullDocument")
+        kind: EventKind = change[f.OPERATION_TYPE]
+        doc = change.get(f.FULL_DOCUMENT)
         token = change.get("_id")
-        if doc is None and kind == "update" and "updateDescription" in change:
-            changed = change["updateDescription"].get("updatedFields") or {}
+        if doc is None and kind == "update" and f.UPDATE_DESCRIPTION in change:
+            changed = change[f.UPDATE_DESCRIPTION].get(f.UPDATED_FIELDS) or {}
             if rules.wakes(changed):  # a worker's stream: which task is not said, only when
                 return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed))
         if doc is None:  # a delete, or the document was gone by lookup time
