@@ -80,9 +80,11 @@ class TaskNotFound(TaskRunnerError, LookupError):
 class InvalidState(TaskRunnerError):
     """The task's state does not allow the operation."""
 
-    def __init__(self, key: str, state: str, operation: str, allowed: str) -> None:
+    def __init__(self, key: str, state: str, operation: str, allowed: str, *, why: str = "") -> None:
         self.key, self.state = key, state
-        super().__init__(f"cannot {operation} task {key!r}: it is {state}; only {allowed} tasks can be")
+        super().__init__(
+            f"cannot {operation} task {key!r}: it is {state}; {why or f'only {allowed} tasks can be'}"
+        )
 
 
 class WaitTimeout(TaskRunnerError, TimeoutError):

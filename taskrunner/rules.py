@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from taskrunner import fields as f
+from taskrunner.errors import InvalidState
 from taskrunner.models import EntryState, NewTask, Task, TaskState
 from taskrunner.store.base import RunStatus
 
@@ -413,6 +414,20 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
 
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
+
+
+def still_running(doc: Doc, now: datetime) -> list[str]:
+    """Workers whose run still holds a live lease: a FAIL or CANCELED task with one is
+    not retried until that run has stopped (a canceled run stops at its next renewal)."""
+    return [str(w.get(f.WORKER_ID)) for w in _entries(doc) if is_live(w, now)]
+
+
+def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
+    """Why ``retry`` refuses a task: its state, or the runs still stopping."""
+    if state not in RETRYABLE:
+        return InvalidState(key, state, "retry", "FAIL or CANCELED")
+    why = f"its run on {', '.join(workers)} is still stopping; retry it once it has stopped"
+    return InvalidState(key, state, "retry", "FAIL or CANCELED", why=why)
 
 
 def apply_retry(doc: Doc, now: datetime) -> None:

@@ -16,6 +16,7 @@ from pymongo.errors import WriteError
 from taskrunner import (
     ChangeHistoryLost,
     ClaimLost,
+    InvalidState,
     MalformedTask,
     MemoryStore,
     MongoStore,
@@ -239,6 +240,23 @@ async def test_final_failure_ends_the_task_without_spending_budget(store: Store)
     again = await store.retry("doomed")
     assert again.state is TaskState.PENDING and not again.fatal
     assert await store.claim("w2", key="doomed") is not None
+
+
+async def test_retry_waits_until_a_canceled_run_has_stopped(store: Store) -> None:
+    """Retrying a canceled task whose run still holds its lease raises InvalidState naming the
+    state and the worker; once that run gives its claim back, retry makes it PENDING."""
+    await publish(store, task("stopping"))
+    claim = await store.claim("w1", key="stopping")
+    assert claim is not None
+    await store.cancel("stopping")
+    with pytest.raises(InvalidState, match="it is CANCELED; its run on w1 is still stopping"):
+        await store.retry("stopping")
+    assert (await store.get("stopping")).state is TaskState.CANCELED
+    [status] = await store.write_runs([RunWrite("ping", "stopping", claim.run_id, "w1")])
+    assert status is RunStatus.CANCELED  # the old run learns of the cancel and stops
+    await store.release("stopping", claim.run_id)
+    retried = await store.retry("stopping")
+    assert retried.state is TaskState.PENDING and retried.workers == []
 
 
 async def test_snooze_reschedules_without_a_failure(store: Store) -> None:

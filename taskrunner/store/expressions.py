@@ -16,7 +16,7 @@ from typing import Any
 from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
-from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED
+from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE
 
 Expr = Any
 NOW = "$$NOW"
@@ -499,6 +499,11 @@ def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
         f.CLAIMABLE_AT: run_at,
     }
     return {"$mergeObjects": ["$$ROOT", changes]}
+
+
+def retry_filter(key: str) -> dict[str, Any]:
+    """``rules.apply_retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
+    return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(IS_LIVE), 0]}}
 
 
 def retry_update() -> list[Expr]:

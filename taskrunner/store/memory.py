@@ -325,9 +325,11 @@ class MemoryStore:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
-        if doc.get(f.STATE) not in rules.RETRYABLE:
-            raise InvalidState(key, str(doc.get(f.STATE)), "retry", "FAIL or CANCELED")
-        rules.apply_retry(doc, self._clock())
+        now = self._clock()
+        running = rules.still_running(doc, now)
+        if doc.get(f.STATE) not in rules.RETRYABLE or running:
+            raise rules.retry_refused(key, str(doc.get(f.STATE)), running)
+        rules.apply_retry(doc, now)
         self._emit("update", doc)
         return self._task(doc)
 

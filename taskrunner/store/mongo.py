@@ -489,14 +489,14 @@ class MongoStore:
         return task
 
     async def retry(self, key: str) -> Task:
-        query = {f.KEY: key, f.STATE: {"$in": list(rules.RETRYABLE)}}
         with mapped_errors():
             doc = await self.collection.find_one_and_update(
-                query, x.retry_update(), return_document=ReturnDocument.AFTER
+                x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
             )
         if doc is None:
             task = await self.get(key)  # raises TaskNotFound
-            raise InvalidState(key, task.state.value, "retry", "FAIL or CANCELED")
+            running = [w.worker_id for w in task.workers if w.state is EntryState.RUNNING]
+            raise rules.retry_refused(key, task.state.value, running)
         return self._task(doc)
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
