@@ -25,10 +25,11 @@ from typing import Any
 
 import structlog
 
-from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable
+from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, TaskNotFound
 from taskrunner.models import Task
 from taskrunner.outage import Outage
-from taskrunner.store.base import ChangeEvent, Store
+from taskrunner.redact import redact
+from taskrunner.store.base import ChangeEvent, Store, Unreadable
 
 log = structlog.get_logger("taskrunner.discovery")
 REPORTED_MAX = 10_000  # unreadable documents remembered so sweeps do not log them again
@@ -76,6 +77,8 @@ class Discovery:
             cap=MAX_STREAM_RETRY,
         )
         self._reported: dict[str | None, str] = {}
+        self.unsettled: list[Unreadable] = []
+        """Unreadable documents heard of on the stream, normalized before the next event."""
         self._listened = False
 
     def listen(self, owned: Mapping[str, Sequence[int]] | None) -> None:
@@ -90,14 +93,40 @@ class Discovery:
         elif event.wake:
             self.sweep_at(event.wake_at)
         elif event.problem:
-            self.report(event.key, event.problem, repeat=True)
-            self.keyless()
+            self.unsettled.append(Unreadable(event.key, event.problem))
 
-    def report(self, key: str | None, problem: str, *, repeat: bool) -> None:
-        # A change event is news, so it is always logged; a sweep (every interval when
-        # polling) logs a document only when its problem is new, so logs do not fill up.
-        if repeat or self._reported.get(key) != problem:
-            log.warning("skipping unreadable task document", key=key, problem=problem)
+    async def settle(self, unreadable: Sequence[Unreadable]) -> None:
+        """Normalize each unreadable document (``Store.normalize``): one that then reads is
+        considered like a new task, one that does not is marked FAIL naming its problem. A
+        document without a string key is no task: it is reported and left as it is."""
+        for bad in unreadable:
+            if bad.key is None:
+                self.report(None, bad.problem)
+                self.keyless()
+                continue
+            try:
+                task = await self.store.normalize(bad.key)
+            except TaskNotFound:
+                continue
+            except StoreError as exc:  # the next sweep finds it again
+                log.warning("cannot normalize a task document yet", key=bad.key, error=redact(str(exc)))
+                continue
+            if task.problem is None:
+                log.info("normalized a task document written by hand", key=bad.key)
+                self.consider(task)
+            else:
+                self.report(bad.key, task.problem)
+
+    def report(self, key: str | None, problem: str) -> None:
+        # A sweep (every interval when polling) logs a document only when its problem is
+        # new, so logs do not fill up with a document nobody can mark.
+        if self._reported.get(key) != problem:
+            event = (
+                "skipping unreadable task document"
+                if key is None
+                else "marked an unreadable task document FAIL"
+            )
+            log.warning(event, key=key, problem=problem)
         if len(self._reported) >= REPORTED_MAX:
             self._reported.clear()
         self._reported[key] = problem
@@ -135,6 +164,9 @@ class Discovery:
                 self._token = stream.resume_token
                 if event is not None:
                     self.on_event(event)
+                if self.unsettled:
+                    unsettled, self.unsettled = self.unsettled, []
+                    await self.settle(unsettled)
         finally:
             with suppress(StoreError):
                 await stream.close()

@@ -104,9 +104,11 @@ class UnknownHandler(TaskRunnerError, LookupError):
 class MalformedTask(TaskRunnerError):
     """A stored document does not follow the task schema."""
 
-    def __init__(self, key: object, problem: str) -> None:
+    def __init__(self, key: object, problem: str, *, field: str = "") -> None:
         self.key = key
         self.problem = problem
+        self.field = field
+        """The dotted path of the field that does not read ("" when not known)."""
         super().__init__(f"malformed task document {key!r}: {problem}")
 
 

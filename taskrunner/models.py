@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -245,6 +246,42 @@ class NewTask(BaseModel):
             raise invalid_task(exc) from None
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _placeholder(values: dict[str, Any], doc: dict[str, Any], field: str) -> None:
+    """Put a readable stand-in for ``field`` into ``values`` (or drop it: its default)."""
+    oid = doc.get(f.ID)
+    born = oid.generation_time if isinstance(oid, bson.ObjectId) else EPOCH  # when it was inserted
+    key = doc.get(f.KEY)
+    stand_ins: dict[str, Any] = {
+        f.KEY: key if isinstance(key, str) and key else str(oid),
+        f.NAME: str(doc.get(f.NAME, "")),
+        f.PARAMS: {},
+        f.PRIORITY: 0,
+        f.CREATED_AT: born,
+        f.UPDATED_AT: born,
+        f.RUN_AT: born,
+        f.OPTIONS: {},
+        f.WORKERS: [],
+        f.STATE: TaskState.PENDING.value,
+        f.CLAIMABLE_AT: born,
+    }
+    if field in stand_ins:
+        values[field] = stand_ins[field]
+    else:
+        values.pop(field, None)
+
+
+def described(exc: ValidationError) -> tuple[str, str]:
+    """The first problem of a validation error: its dotted field path, and
+    ``path: message (got value)`` (no value when the field is missing)."""
+    err = exc.errors()[0]
+    path = ".".join(str(p) for p in err["loc"])
+    got = "" if err["type"] == "missing" else f" (got {err['input']!r:.100})"
+    return path, f"{path}: {err['msg']}{got}"
+
+
 def first_error(exc: ValidationError) -> str:
     """The first problem of a validation error as ``dotted.path: message``."""
     err = exc.errors()[0]
@@ -279,19 +316,53 @@ class Task(BaseModel):
     """A failure that is never retried ended the task (``Fail``, params the handler rejects)."""
     snoozes: int = 0
     """Runs that ended by ``Retry``, ``ctx.snooze`` or ``RateLimited``: rescheduled, no failure counted."""
-    claimable_at: UtcDatetime | None = None
+    claimable_at: UtcDatetime | None = Field(None, validate_default=True)
+    """When a new claim may happen (server time); a PENDING or RUNNING task always has one."""
     finished_at: UtcDatetime | None = None
     bucket: Bucket = None
     """Which worker's stream hears the insert (``fields.BUCKETS``); None when missing or out of range."""
+    error: TaskError | None = None
+    """Why no worker can run the document as written: set with state FAIL (and ``fatal``)
+    when a worker found it unreadable; its type is ``MalformedTask`` and its message names
+    the field and the value (docs/schema.md, "Documents written by hand")."""
+    problem: str | None = None
+    """Only on a task read from a document that does not follow the schema (``Task.read``):
+    the first problem, ``field: message (got value)``; unreadable fields read as placeholders."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 
+    @field_validator("claimable_at")
+    @classmethod
+    def _unfinished_has_a_claim_time(cls, value: datetime | None, info: ValidationInfo) -> datetime | None:
+        if value is None and info.data.get(f.STATE) in (TaskState.PENDING, TaskState.RUNNING):
+            raise ValueError("a PENDING or RUNNING task needs a date here, or no worker ever claims it")
+        return value
+
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+        """The task in ``doc``; raises ``MalformedTask`` naming the first field that does not read."""
         try:
-            return cls.model_validate({**doc, "created": created})
+            return cls.model_validate({**doc, "problem": None, "created": created})
         except ValidationError as exc:
-            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), first_error(exc)) from None
+            field, problem = described(exc)
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), problem, field=field) from None
+
+    @classmethod
+    def read(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+        """The task in ``doc`` even when the document does not follow the schema: then
+        ``problem`` says why and each field that does not read holds a placeholder, so
+        operators can list, show, cancel, retry and purge it."""
+        try:
+            return cls.from_document(doc, created=created)
+        except MalformedTask as exc:
+            values = {**doc, "problem": exc.problem, "created": created}
+        for _ in range(len(values)):  # each pass replaces what the last one could not read
+            try:
+                return cls.model_validate(values)
+            except ValidationError as exc:
+                for field in {str(e["loc"][0]) for e in exc.errors()}:
+                    _placeholder(values, doc, field)
+        raise AssertionError(f"no placeholder makes {doc!r} readable")
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
@@ -307,8 +378,10 @@ class Task(BaseModel):
 
     @property
     def errors(self) -> list[TaskError]:
-        """The error records of the failed runs, in claim order."""
-        return [w.error for w in self.workers if w.state is EntryState.FAIL and w.error is not None]
+        """The error records of the failed runs, in claim order, then the document's own
+        ``error`` when a worker marked it unreadable."""
+        runs = [w.error for w in self.workers if w.state is EntryState.FAIL and w.error is not None]
+        return [*runs, self.error] if self.error is not None else runs
 
     @property
     def last_error(self) -> TaskError | None:

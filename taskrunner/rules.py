@@ -8,14 +8,17 @@ null or not a date never matches.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
+
 from taskrunner import fields as f
-from taskrunner.errors import InvalidState
-from taskrunner.models import EntryState, NewTask, Task, TaskState
+from taskrunner.errors import InvalidState, MalformedTask
+from taskrunner.models import EntryState, NewTask, Task, TaskOptions, TaskState
 from taskrunner.store.base import RunStatus
 
 Doc = dict[str, Any]
@@ -414,6 +417,93 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
 
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
+STATES = tuple(state.value for state in TaskState)
+
+# -- documents written by hand or by other languages (docs/schema.md) ------------------------
+MALFORMED = "MalformedTask"
+"""The error type of a document marked unreadable (and of a claimed one that did not read)."""
+STAMPED = (f.CREATED_AT, f.UPDATED_AT, f.RUN_AT)
+"""Times a hand-written document may leave out: they default to server now."""
+HAND_DEFAULTS: Doc = {
+    f.PARAMS: {},
+    f.PRIORITY: 0,
+    f.WORKERS: [],
+    f.STATE: TaskState.PENDING.value,
+    f.FAILURES: 0,
+    f.ATTEMPTS: 0,
+}
+"""Defaults of the other fields a hand-written document may leave out (``key`` and
+``name`` are required); each option it lacks gets its default, and an unfinished task
+without ``claimable_at`` becomes claimable at its ``run_at``."""
+
+
+def unsettled(doc: Doc) -> bool:
+    """Should a worker's sweep normalize this document? A string key and no valid state,
+    or unfinished without a ``claimable_at`` date: nothing else would ever claim it."""
+    state, claimable_at = doc.get(f.STATE), doc.get(f.CLAIMABLE_AT)
+    unfinished = state in ACTIVE and not isinstance(claimable_at, datetime)
+    return isinstance(doc.get(f.KEY), str) and (state not in STATES or unfinished)
+
+
+def normalization(doc: Doc, now: Any) -> Doc:
+    """The fields normalizing ``doc`` sets: each one it lacks, with its default (``now``
+    for times), and ``options`` with the options it lacks (when it is an object)."""
+    fill: Doc = {field: now for field in STAMPED if field not in doc}
+    fill |= {field: copy.deepcopy(value) for field, value in HAND_DEFAULTS.items() if field not in doc}
+    options = _filled_options(doc)
+    if options is not None:
+        fill[f.OPTIONS] = options
+    if f.CLAIMABLE_AT not in doc and fill.get(f.STATE, doc.get(f.STATE)) in ACTIVE:
+        fill[f.CLAIMABLE_AT] = fill.get(f.RUN_AT, doc.get(f.RUN_AT))
+    return fill
+
+
+def _filled_options(doc: Doc) -> Doc | None:
+    """``options`` with every option it lacks at its default; None when nothing is missing
+    or it does not read (then the document is marked, naming the option)."""
+    options = doc.get(f.OPTIONS, {})
+    if not isinstance(options, dict):
+        return None
+    try:
+        full = TaskOptions.model_validate(options).model_dump()
+    except ValidationError:
+        return None
+    filled = {**full, **options}  # the given ones kept as written
+    return filled if f.OPTIONS not in doc or filled.keys() != options.keys() else None
+
+
+def verdict(doc: Doc, now: Any) -> tuple[Doc, MalformedTask | None]:
+    """What normalizing ``doc`` sets, and why the result still does not read (or None)."""
+    fill = normalization(doc, now)
+    try:
+        Task.from_document({**doc, **fill})
+    except MalformedTask as exc:
+        return fill, exc
+    return fill, None
+
+
+def is_marked(doc: Doc) -> bool:
+    """Was ``doc`` marked unreadable (its own ``error`` is a ``MalformedTask``)?"""
+    error = doc.get(f.ERROR)
+    return isinstance(error, dict) and error.get(f.ERROR_TYPE) == MALFORMED
+
+
+def marked_error(problem: str) -> Doc:
+    """The ``error`` a document marked unreadable holds."""
+    message = f"{problem}; fix the document, then retry it"
+    return {f.ERROR_TYPE: MALFORMED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
+
+
+def apply_normalization(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
+    """Set ``fill``; a document that still does not read is marked: FAIL, ``fatal``, and
+    its own ``error`` naming the field and value. Nothing written by hand is removed."""
+    doc.update(fill)
+    doc[f.UPDATED_AT] = now
+    if problem is None:
+        return
+    doc.update({f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: marked_error(problem.problem)})
+    doc[f.FINISHED_AT] = now
+    doc.pop(f.CLAIMABLE_AT, None)
 
 
 def still_running(doc: Doc, now: datetime) -> list[str]:
@@ -431,10 +521,20 @@ def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
 
 
 def apply_retry(doc: Doc, now: datetime) -> None:
-    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history."""
+    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history.
+
+    A document marked unreadable (or whose counters do not read) is left without a
+    ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
+    recheck = f.ERROR in doc or None in (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
     doc.pop(f.FATAL, None)
-    summarize(doc, now)
+    doc.pop(f.ERROR, None)
+    if not recheck:
+        summarize(doc, now)
+        return
+    doc[f.UPDATED_AT] = now
+    doc.pop(f.CLAIMABLE_AT, None)
+    doc.pop(f.FINISHED_AT, None)
 
 
 def purgeable(doc: Doc, states: Sequence[str], cutoff: datetime) -> bool:

@@ -118,19 +118,41 @@ class CountedSweeps(NoStreams):
         return await super().due(worker_id, names, horizon=horizon, limit=limit)
 
 
-async def test_a_sweep_reports_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
-    """A sweep names an unreadable document (once, however often it polls) and still runs every other task."""
+async def test_a_sweep_marks_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
+    """A sweep marks an unreadable document FAIL naming its field (logged once, however
+    often the worker polls) and still runs every other task."""
     store = CountedSweeps()
     runner, done = make_runner(store)
-    store.insert_document({"key": "a-broken", "name": "job", "params": "nope", "state": "PENDING",
-                           "claimable_at": datetime(2020, 1, 1, tzinfo=UTC), "options": {"worker_ids": []}})  # fmt: skip
+    store.insert_document(
+        {
+            "key": "a-broken",
+            "name": "job",
+            "params": "nope",
+            "state": "PENDING",
+            "claimable_at": datetime(2020, 1, 1, tzinfo=UTC),
+            "options": {"worker_ids": []},
+        }
+    )
     await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(4)])
     worker = Worker(runner, worker_id="w", poll_interval=0.05)
     with capture_logs() as logs:
         await run_until(worker, lambda: len(done) == 4 and store.sweeps >= 3)
-    skipped = [e for e in logs if e["event"] == "skipping unreadable task document"]
+    marked = [e for e in logs if e["event"] == "marked an unreadable task document FAIL"]
     assert sorted(done) == [f"k{i}" for i in range(4)]
-    assert len(skipped) == 1 and skipped[0]["key"] == "a-broken" and "params" in skipped[0]["problem"]
+    assert len(marked) == 1 and marked[0]["key"] == "a-broken" and "params" in marked[0]["problem"]
+    broken = store.document("a-broken")
+    assert broken["state"] == "FAIL" and broken["error"]["type"] == "MalformedTask"
+
+
+async def test_a_worker_runs_a_minimal_document_written_by_hand() -> None:
+    """A document holding only key, name and params is normalized by a polling worker's sweep and run."""
+    store = CountedSweeps()
+    runner, done = make_runner(store)
+    store.insert_document({"key": "by-hand", "name": "job", "params": {"n": 1}})
+    worker = Worker(runner, worker_id="w", poll_interval=0.05)
+    await run_until(worker, lambda: done == ["by-hand"])
+    task = await runner.get("by-hand")
+    assert task.state is TaskState.SUCCESS and task.problem is None and task.options.max_failures == 3
 
 
 class ForgetfulStore(MemoryStore):

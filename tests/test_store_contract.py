@@ -23,6 +23,7 @@ from taskrunner import (
     NewTask,
     TaskError,
     TaskNotFound,
+    TaskOptions,
     TaskState,
     rules,
 )
@@ -379,11 +380,127 @@ async def test_malformed_documents_are_never_claimed(
     assert await store.claim("w1") is None
 
 
-async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_insert: Raw) -> None:
-    """Reading a hand-broken document raises MalformedTask naming the field."""
-    await raw_insert({"key": "broken", "name": "job", "params": "nope"})
-    with pytest.raises(MalformedTask, match="params"):
-        await store.get("broken")
+async def test_reads_of_a_malformed_document_carry_its_problem(store: Store, raw_insert: Raw) -> None:
+    """get and find read a hand-broken document with ``problem`` naming the field and value,
+    placeholders for what does not read; cancel works on it."""
+    await raw_insert({"key": "broken", "name": "job", "params": "nope", "state": 42})
+    task = await store.get("broken")
+    assert task.problem is not None and "params" in task.problem and "'nope'" in task.problem
+    assert (task.key, task.name, task.params, task.state) == ("broken", "job", {}, TaskState.PENDING)
+    assert [t.key for t in await store.find()] == ["broken"]
+    canceled = await store.cancel("broken")
+    assert canceled.state is TaskState.CANCELED and canceled.problem is not None
+
+
+MINIMAL = {"key": "by-hand", "name": "job", "params": {"n": 1}}
+
+
+async def test_a_minimal_document_is_normalized_once_and_then_claimable(
+    store: Store, raw_insert: Raw
+) -> None:
+    """``{key, name, params}`` reaches the sweep as unreadable; ``normalize`` gives it every
+    default in server time (claimable_at = run_at) in one write, a second call writes
+    nothing, and the task is then claimed like a published one."""
+    await raw_insert(dict(MINIMAL))
+    before = await store.server_time()
+    page = await store.due("w1", ["other"], horizon=before + timedelta(seconds=60))
+    assert [u.key for u in page.unreadable] == ["by-hand"] and page.tasks == []
+    task = await store.normalize("by-hand")
+    assert task.problem is None and task.state is TaskState.PENDING and task.params == {"n": 1}
+    assert task.options == TaskOptions() and (task.priority, task.failures, task.workers) == (0, 0, [])
+    assert task.claimable_at == task.run_at == task.created_at and task.created_at >= before - timedelta(
+        seconds=1
+    )
+    assert await store.normalize("by-hand") == task
+    page = await store.due("w1", ["other"], horizon=before + timedelta(seconds=60))
+    assert page.unreadable == []
+    claim = await store.claim("w1", key="by-hand")
+    assert claim is not None and claim.task.state is TaskState.RUNNING
+
+
+async def test_normalize_fills_only_what_is_missing(store: Store, raw_insert: Raw) -> None:
+    """Given fields and options are kept as written; missing options get their defaults
+    (``retry_backoff`` alone means a fixed backoff, as when publishing)."""
+    run_at = datetime(2030, 1, 1, tzinfo=UTC)
+    await raw_insert(
+        {**MINIMAL, "priority": 5, "run_at": run_at, "options": {"concurrency": 2, "retry_backoff": 7}}
+    )
+    task = await store.normalize("by-hand")
+    assert task.problem is None and task.priority == 5 and task.run_at == task.claimable_at == run_at
+    options = task.options
+    assert (options.concurrency, options.retry_backoff, options.backoff, options.max_failures) == (
+        2,
+        7,
+        "fixed",
+        3,
+    )
+
+
+async def test_racing_normalizations_agree(store: Store, raw_insert: Raw) -> None:
+    """Two workers normalizing the same document at once leave one consistent task."""
+    await raw_insert(dict(MINIMAL))
+    a, b = await asyncio.gather(store.normalize("by-hand"), store.normalize("by-hand"))
+    assert a.problem is None and b.problem is None
+    assert a.created_at == b.created_at and a.claimable_at == b.claimable_at
+
+
+UNREADABLE = [
+    ({"state": 42}, "state", "42"),
+    ({"state": "PENDING", "claimable_at": "now"}, "claimable_at", "'now'"),
+    ({"options": None}, "options", "None"),
+    ({"params": ["a"]}, "params", "['a']"),
+    ({"options": {"concurrency": 0}}, "options.concurrency", "0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field", "value"), UNREADABLE)
+async def test_a_document_that_still_does_not_read_is_marked_fail(
+    store: Store, raw_insert: Raw, fields: dict[str, Any], field: str, value: str
+) -> None:
+    """Wrong-typed fields are marked in the document: FAIL, fatal, its own error (type
+    MalformedTask, naming the field and value); list and stats see it, sweeps no longer
+    return it, and a second normalize changes nothing."""
+    await raw_insert({**MINIMAL, **fields})
+    task = await store.normalize("by-hand")
+    assert task.state is TaskState.FAIL and task.fatal and task.error is not None
+    assert task.error.type == "MalformedTask" and task.error.message.startswith(f"{field}: ")
+    assert value in task.error.message and task.last_error == task.error
+    assert [t.state for t in await store.find(state=TaskState.FAIL)] == [TaskState.FAIL]
+    assert (await store.stats()).counts == {"job": {"FAIL": 1}}
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
+    assert page.unreadable == [] and page.tasks == []
+    assert await store.normalize("by-hand") == task
+
+
+async def test_a_marked_document_fixed_by_hand_runs_after_retry(store: Store, raw_insert: Raw) -> None:
+    """Retrying a marked document sends it back to the sweep: still broken, it is marked
+    again; fixed by hand, it is normalized and claimed. Purge removes a marked one."""
+    await raw_insert({**MINIMAL, "params": "oops"})
+    await store.normalize("by-hand")
+    retried = await store.retry("by-hand")
+    assert retried.state is TaskState.PENDING and retried.error is None and retried.claimable_at is not None
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
+    assert [u.key for u in page.unreadable] == ["by-hand"]
+    assert (await store.normalize("by-hand")).state is TaskState.FAIL
+    await store.retry("by-hand")
+    await _set_by_hand(store, "by-hand", {"params": {"fixed": True}})
+    assert (await store.normalize("by-hand")).state is TaskState.PENDING
+    claim = await store.claim("w1", key="by-hand")
+    assert claim is not None and claim.task.params == {"fixed": True}
+    await raw_insert({**MINIMAL, "key": "doomed", "options": None})
+    await store.normalize("doomed")
+    await asyncio.sleep(0.01)  # finished before the purge's cutoff
+    assert await store.purge([TaskState.FAIL], older_than=0) == 1
+
+
+async def _set_by_hand(store: Store, key: str, changes: dict[str, Any]) -> None:
+    if isinstance(store, MemoryStore):
+        store.insert_document({**store.document(key), **changes})
+    else:
+        assert isinstance(store, MongoStore)
+        await store.collection.update_one({"key": key}, {"$set": changes})
 
 
 async def test_a_scan_names_unreadable_documents_and_pages_past_them(store: Store, raw_insert: Raw) -> None:

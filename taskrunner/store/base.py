@@ -178,7 +178,8 @@ class Store(Protocol):
         """Insert tasks whose key is new; see docs/publishing.md for the options."""
 
     async def get(self, key: str) -> Task:
-        """The task with ``key``; raises ``TaskNotFound``."""
+        """The task with ``key`` (``Task.read``: a malformed document reads with its
+        ``problem``); raises ``TaskNotFound``."""
 
     async def find(
         self,
@@ -188,7 +189,7 @@ class Store(Protocol):
         worker_id: str | None = None,
         limit: int = 0,
     ) -> list[Task]:
-        """Tasks by state, name and worker (any entry), oldest first; malformed ones skipped."""
+        """Tasks by state, name and worker (any entry), oldest first; malformed ones as ``Task.read`` reads them."""
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
 
@@ -203,7 +204,17 @@ class Store(Protocol):
         tasks nobody claimed, retries and expired leases (takeovers) without following
         anyone's renewals; ``after`` of the page is None unless ``limit`` was reached.
         Expired leases come first: RUNNING tasks, then PENDING ones, at most ``limit`` of
-        each, so a takeover never waits behind a backlog of new tasks."""
+        each, so a takeover never waits behind a backlog of new tasks. Then at most
+        ``limit`` documents of any name that need ``normalize`` (``rules.unsettled``: no
+        valid state, or unfinished without a claimable_at date), as unreadable ones."""
+
+    async def normalize(self, key: str) -> Task:
+        """Give a document written by hand or by another language the fields it lacks
+        (``rules.normalization``: defaults, times in server time) in one write that sets
+        only fields still missing when it lands, so racing workers agree. If it still does
+        not read, mark it instead: FAIL, ``fatal`` and its own ``error`` (``MalformedTask``,
+        naming the field and value). Returns the task as stored (``Task.read``: its
+        ``problem`` set when it does not read); raises ``TaskNotFound``."""
 
     async def claim(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
-from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE
+from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE, STAMPED, STATES, marked_error
 
 Expr = Any
 NOW = "$$NOW"
@@ -285,14 +285,19 @@ def due_pipeline(
     """The sweep as one aggregate: RUNNING tasks (expired leases: takeovers) first, then
     PENDING ones, each the earliest ``limit`` by ``claimable_at`` through the claim index.
     Two ranges instead of one sort on claimable_at, because a takeover's claimable_at (its
-    lease expiry) is later than a whole backlog's: it would wait until the backlog drained."""
+    lease expiry) is later than a whole backlog's: it would wait until the backlog drained.
+    Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
+    the worker normalizes."""
 
     def branch(state: str) -> list[dict[str, Any]]:
         match = due_filter(worker_id, names, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
     pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
-    return [*branch(TaskState.RUNNING.value), pending]
+    unsettled = {
+        "$unionWith": {"coll": collection, "pipeline": [{"$match": unsettled_filter()}, {"$limit": limit}]}
+    }
+    return [*branch(TaskState.RUNNING.value), pending, unsettled]
 
 
 def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
@@ -508,8 +513,74 @@ def retry_filter(key: str) -> dict[str, Any]:
 
 def retry_update() -> list[Expr]:
     """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
-    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW}
-    return [{"$set": fresh}, {"$unset": [f.FATAL]}, *summary_stages()]
+    unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
+    recheck = {"$or": [{"$ne": [{"$type": f.ref(f.ERROR)}, "missing"]}, *unreadable]}
+    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW, "_tr_recheck": recheck}
+    # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
+    again = {
+        f.STATE: {"$cond": ["$_tr_recheck", TaskState.PENDING.value, f.ref(f.STATE)]},
+        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.FINISHED_AT)]},
+    }
+    return [
+        {"$set": fresh},
+        {"$unset": [f.FATAL, f.ERROR]},
+        *summary_stages(),
+        {"$set": again},
+        {"$unset": ["_tr_recheck"]},
+    ]
+
+
+def unsettled_filter() -> dict[str, Any]:
+    """``rules.unsettled``: documents a sweep hands to ``Store.normalize`` (both ranges of
+    the claim index: states outside the five, and unfinished without a claimable_at date)."""
+    return {
+        f.KEY: {"$type": "string"},
+        "$or": [
+            {f.STATE: {"$nin": list(STATES)}},
+            {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}},
+        ],
+    }
+
+
+def _if_missing(field: str, value: Expr) -> Expr:
+    """``value`` where ``field`` is missing, else the field as it is."""
+    return {"$cond": [_missing(field), value, f.ref(field)]}
+
+
+def normalize_update(fill: dict[str, Any]) -> list[Expr]:
+    """``rules.apply_normalization`` without the mark: set each field of ``fill`` only if it
+    is still missing when the write lands (a racing worker's write wins, unchanged), times
+    in server time; options merged under those given; claimable_at from the run_at set."""
+    stage: dict[str, Expr] = {
+        field: _if_missing(field, NOW if field in STAMPED else {"$literal": value})
+        for field, value in fill.items()
+        if field not in (f.OPTIONS, f.CLAIMABLE_AT)
+    }
+    if f.OPTIONS in fill:
+        given = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
+        merged = {"$mergeObjects": [{"$literal": fill[f.OPTIONS]}, f.ref(f.OPTIONS)]}
+        stage[f.OPTIONS] = {"$cond": [given, merged, _if_missing(f.OPTIONS, {"$literal": fill[f.OPTIONS]})]}
+    stages: list[Expr] = [{"$set": {**stage, f.UPDATED_AT: NOW}}]
+    if f.CLAIMABLE_AT in fill:
+        unfinished = {"$and": [_missing(f.CLAIMABLE_AT), {"$in": [f.ref(f.STATE), list(ACTIVE)]}]}
+        keep = {"$cond": [_missing(f.CLAIMABLE_AT), "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
+        stages.append({"$set": {f.CLAIMABLE_AT: {"$cond": [unfinished, f.ref(f.RUN_AT), keep]}}})
+    return stages
+
+
+def mark_update(problem: str) -> list[Expr]:
+    """The mark of ``rules.apply_normalization``: FAIL, ``fatal``, the document's own error."""
+    mark = {f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: {"$literal": marked_error(problem)}}
+    return [{"$set": {**mark, f.FINISHED_AT: NOW, f.UPDATED_AT: NOW}}, {"$unset": [f.CLAIMABLE_AT]}]
+
+
+def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """Matches only while each top-level field of ``fields`` holds what ``doc`` held (or is
+    still missing): a mark lands only on the document it judged."""
+    present = [{"$eq": [f.ref(name), {"$literal": doc[name]}]} for name in fields if name in doc]
+    missing: dict[str, Any] = {name: {"$exists": False} for name in fields if name not in doc}
+    return {**missing, "$expr": {"$and": present}} if present else missing
 
 
 def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class MemoryStore:
     ) -> list[Task]:
         docs = [d for d in self._matching(state, name) if worker_id is None or _has_worker(d, worker_id)]
         docs.sort(key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
-        tasks = [t for t in (self._readable(d) for d in docs) if t is not None]
+        tasks = [self._task(d) for d in docs]
         return tasks[:limit] if limit else tasks
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
@@ -207,7 +207,8 @@ class MemoryStore:
         )
         running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
         pending = [d for d in docs if d[f.STATE] == TaskState.PENDING.value][:limit]
-        return due_page([_clone(d) for d in running + pending], limit)
+        unsettled = [d for d in self._docs.values() if rules.unsettled(d)][:limit]
+        return due_page([_clone(d) for d in running + pending + unsettled], limit)
 
     async def claim(
         self,
@@ -244,7 +245,7 @@ class MemoryStore:
         if rules.running_entry(doc, run_id) is None:
             return None  # the task's dead leases spent its budget: it was ended, not claimed
         try:
-            return Claim(self._task(doc), run_id)
+            return Claim(Task.from_document(_clone(doc)), run_id)
         except MalformedTask as exc:
             # Record the unreadable document as this run's failure, so it cannot loop.
             error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
@@ -310,6 +311,17 @@ class MemoryStore:
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
         return self._run_write(key, run_id, lambda d, e, now: rules.apply_snooze(d, e, now, seconds))
+
+    async def normalize(self, key: str) -> Task:
+        doc = self._docs.get(key)
+        if doc is None:
+            raise TaskNotFound(key)
+        now = self._clock()
+        fill, problem = rules.verdict(doc, now)
+        if (fill or problem) and not (problem and rules.is_marked(doc)):
+            rules.apply_normalization(doc, fill, problem, now)
+            self._emit("update", doc)
+        return self._task(doc)
 
     async def cancel(self, key: str) -> Task:
         doc = self._docs.get(key)
@@ -556,14 +568,7 @@ class MemoryStore:
 
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
-        return Task.from_document(_clone(doc), created=created)
-
-    @staticmethod
-    def _readable(doc: Doc) -> Task | None:
-        try:
-            return Task.from_document(_clone(doc))
-        except MalformedTask:
-            return None
+        return Task.read(_clone(doc), created=created)
 
 
 class _LimitsStream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from typing import Any
@@ -265,7 +265,7 @@ class MongoStore:
             query[f"{f.WORKERS}.{f.WORKER_ID}"] = worker_id
         with mapped_errors():
             cursor = self.collection.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit)
-            return [t async for t in self._readable(cursor)]
+            return [self._task(doc) async for doc in cursor]
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         with mapped_errors():
@@ -323,7 +323,7 @@ class MongoStore:
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
-            return Claim(self._task(doc), run_id)
+            return Claim(Task.from_document(doc), run_id)
         except MalformedTask as exc:
             await self._reject(doc[f.ID], run_id, exc)
             raise
@@ -358,7 +358,7 @@ class MongoStore:
         claimed = Claimed([], [])
         for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
             try:
-                claimed.claims.append(Claim(self._task(doc), token[doc[f.KEY]]))
+                claimed.claims.append(Claim(Task.from_document(doc), token[doc[f.KEY]]))
             except MalformedTask as exc:
                 claimed.rejected.append(exc)
                 # Not recorded now? Its lease expires and a later claim counts the failure;
@@ -475,6 +475,29 @@ class MongoStore:
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
         return await self._run_write(key, run_id, x.snooze_update(run_id, seconds))
+
+    async def normalize(self, key: str) -> Task:
+        with mapped_errors():
+            doc = await self.collection.find_one({f.KEY: key})
+        if doc is None:
+            raise TaskNotFound(key)
+        # The values' types decide whether it reads; the write stamps server time.
+        fill, problem = rules.verdict(doc, datetime.now(UTC))
+        if not (fill or problem) or (problem and rules.is_marked(doc)):
+            return self._task(doc)
+        update = x.normalize_update(fill) if fill else []
+        guard: Doc = {f.ID: doc[f.ID]}
+        if problem is not None:
+            update += x.mark_update(problem.problem)
+            guard |= x.unchanged(doc, sorted({f.STATE, problem.field.split(".")[0]} - {""}))
+        with mapped_errors():
+            after = await self.collection.find_one_and_update(
+                guard, update, return_document=ReturnDocument.AFTER
+            )
+            after = after if after is not None else await self.collection.find_one({f.ID: doc[f.ID]})
+        if after is None:
+            raise TaskNotFound(key)
+        return self._task(after)
 
     async def cancel(self, key: str) -> Task:
         with mapped_errors():
@@ -712,15 +735,7 @@ class MongoStore:
     # -- internals ----------------------------------------------------------------------
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
-        return Task.from_document(doc, created=created)
-
-    @staticmethod
-    async def _readable(cursor: Any) -> AsyncIterator[Task]:
-        async for doc in cursor:
-            try:
-                yield Task.from_document(doc)
-            except MalformedTask:
-                continue
+        return Task.read(doc, created=created)
 
 
 class _MongoChangeStream:
