@@ -29,6 +29,7 @@ from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, T
 from taskrunner.models import Task
 from taskrunner.outage import Outage
 from taskrunner.redact import redact
+from taskrunner.rules import MALFORMED
 from taskrunner.store.base import ChangeEvent, Store, Unreadable
 
 log = structlog.get_logger("taskrunner.discovery")
@@ -111,11 +112,14 @@ class Discovery:
             except StoreError as exc:  # the next sweep finds it again
                 log.warning("cannot normalize a task document yet", key=bad.key, error=redact(str(exc)))
                 continue
-            if task.problem is None:
+            # Marking may leave a readable document (a wrong state replaced): its error says why.
+            if task.error is not None and task.error.type == MALFORMED:
+                self.report(bad.key, task.error.message)
+            elif task.problem is not None:
+                self.report(bad.key, task.problem)
+            else:
                 log.info("normalized a task document written by hand", key=bad.key)
                 self.consider(task)
-            else:
-                self.report(bad.key, task.problem)
 
     def report(self, key: str | None, problem: str) -> None:
         # A sweep (every interval when polling) logs a document only when its problem is

@@ -247,6 +247,31 @@ class NewTask(BaseModel):
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+SERVER_READS = (f.FAILURES, f.PRIORITY)
+SERVER_OPTIONS = (f.CONCURRENCY, f.MAX_FAILURES, f.RETRY_BACKOFF, f.PING_TIMEOUT, f.WORKER_IDS)
+"""What the server's claims and outcomes compute with: the model would fill a missing one
+with its default or read ``"2"`` as 2, but the server's filters and updates do neither,
+so a document lacking one is never claimed (or leases without an expiry)."""
+
+
+def _unserved(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field the server needs that ``doc`` lacks or holds as a string."""
+    options = doc.get(f.OPTIONS)
+    found = (
+        {f.opt(name): options.get(name, _MISSING) for name in SERVER_OPTIONS}
+        if isinstance(options, dict)
+        else {}
+    )
+    found |= {name: doc.get(name, _MISSING) for name in SERVER_READS}
+    for path, value in found.items():
+        if value is _MISSING:
+            return path, f"{path}: missing (a worker fills in its default)"
+        if isinstance(value, str):
+            return path, f"{path}: must be a number, not a string (got {value!r:.100})"
+    return None
+
+
+_MISSING = object()
 
 
 def _placeholder(values: dict[str, Any], doc: dict[str, Any], field: str) -> None:
@@ -342,10 +367,14 @@ class Task(BaseModel):
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
         """The task in ``doc``; raises ``MalformedTask`` naming the first field that does not read."""
         try:
-            return cls.model_validate({**doc, "problem": None, "created": created})
+            task = cls.model_validate({**doc, "problem": None, "created": created})
         except ValidationError as exc:
             field, problem = described(exc)
             raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), problem, field=field) from None
+        unserved = _unserved(doc)
+        if unserved is not None:
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), unserved[1], field=unserved[0])
+        return task
 
     @classmethod
     def read(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
