@@ -7,7 +7,8 @@ worker's ``consider`` (which queues it only if this worker should claim it); a w
 names no task, so it asks for a sweep (``Store.due``, an indexed query the worker
 runs while it has a free slot). Sweeps also cover what no stream says: expired
 leases, tasks another worker should have claimed, anything written while no stream
-was open (at start and after lost history).
+was open (at start and after lost history). A document no model reads, from either,
+is normalized (``Store.normalize``): given its defaults and considered, or marked FAIL.
 
 A stream that keeps failing for any reason (no change streams on the server, not
 authorized, getMores erroring) degrades the worker to polling: one warning, sweeps

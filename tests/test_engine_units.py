@@ -66,8 +66,13 @@ def test_exactly_one_worker_owns_each_task_and_owners_spread() -> None:
     workers = [Worker(runner, worker_id=f"w{i}") for i in range(5)]
     started = datetime.now(UTC)
     for w in workers:
-        w.peers = [WorkerInfo(worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"],
-                              concurrency=1) for o in workers if o is not w]  # fmt: skip
+        w.peers = [
+            WorkerInfo(
+                worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"], concurrency=1
+            )
+            for o in workers
+            if o is not w
+        ]
 
     async def owners() -> list[str]:
         tasks = await runner.store.publish(

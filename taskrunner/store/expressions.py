@@ -531,16 +531,19 @@ def retry_update() -> list[Expr]:
     ]
 
 
+def unsettled_branches() -> list[dict[str, Any]]:
+    """``rules.unsettled`` as two ranges of the claim index: states outside the five, and
+    unfinished without a claimable_at date (the key's type is checked on what they find)."""
+    keyed = {f.KEY: {"$type": "string"}}
+    return [
+        {f.STATE: {"$nin": list(STATES)}, **keyed},
+        {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}, **keyed},
+    ]
+
+
 def unsettled_filter() -> dict[str, Any]:
-    """``rules.unsettled``: documents a sweep hands to ``Store.normalize`` (both ranges of
-    the claim index: states outside the five, and unfinished without a claimable_at date)."""
-    return {
-        f.KEY: {"$type": "string"},
-        "$or": [
-            {f.STATE: {"$nin": list(STATES)}},
-            {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}},
-        ],
-    }
+    """Documents a sweep hands to ``Store.normalize`` (``rules.unsettled``)."""
+    return {"$or": unsettled_branches()}
 
 
 def _if_missing(field: str, value: Expr) -> Expr:

@@ -83,8 +83,16 @@ def claimable(key: str, case: str) -> Doc:
     """A valid, due document as taskrunner would write it, tagged with its case."""
     now = datetime.now(UTC)
     doc = rules.new_document(NewTask(key=key, name="quick"), publish_id="by-hand")
-    doc.update({"created_at": now, "updated_at": now, "run_at": now, "claimable_at": now,
-                "priority": 100, "case": case})  # fmt: skip
+    doc.update(
+        {
+            "created_at": now,
+            "updated_at": now,
+            "run_at": now,
+            "claimable_at": now,
+            "priority": 100,
+            "case": case,
+        }
+    )
     return doc
 
 
