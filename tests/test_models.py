@@ -27,7 +27,7 @@ def doc_for(**options: object) -> dict[str, Any]:
     return doc
 
 
-def test_defaults_follow_the_seed() -> None:
+def test_option_defaults() -> None:
     """Defaults: concurrency 1, max_failures 3, ping every 5 s, lease 30 s, any worker."""
     options = TaskOptions()
     assert (options.concurrency, options.max_failures, options.ping_interval, options.ping_timeout) == (

@@ -135,7 +135,7 @@ async def test_concurrency_admits_that_many_distinct_workers(store: Store) -> No
 
 
 async def test_a_worker_claims_a_task_once(store: Store) -> None:
-    """A worker with a live or successful entry cannot claim the task again (gap 6)."""
+    """A worker with a live or successful entry cannot claim the task again."""
     await publish(store, task("twice", options={"concurrency": 2}))
     claim = await store.claim("w1", key="twice")
     assert claim is not None and await store.claim("w1", key="twice") is None
@@ -191,7 +191,7 @@ async def test_ping_extends_the_lease(store: Store) -> None:
 
 
 async def test_full_slots_are_claimable_at_the_earliest_lease_expiry(store: Store) -> None:
-    """With every slot held, claimable_at is the earliest expiry, not the latest (gap 7)."""
+    """With every slot held, claimable_at is the earliest expiry, not the latest, so a freed slot never idles."""
     await publish(store, task("slots", options={"concurrency": 2}))
     a = await store.claim("w1", key="slots")
     b = await store.claim("w2", key="slots")
