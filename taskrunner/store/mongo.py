@@ -518,7 +518,8 @@ class MongoStore:
             )
         if doc is None:
             task = await self.get(key)  # raises TaskNotFound
-            running = [w.worker_id for w in task.workers if w.state is EntryState.RUNNING]
+            # No RUNNING entry here: it stopped since the update, or its entry does not read.
+            running = [w.worker_id for w in task.workers if w.state is EntryState.RUNNING] or ["a worker"]
             raise rules.retry_refused(key, task.state.value, running)
         return self._task(doc)
 
