@@ -382,7 +382,7 @@ async def test_malformed_documents_are_never_claimed(
 
 async def test_reads_of_a_malformed_document_carry_its_problem(store: Store, raw_insert: Raw) -> None:
     """get and find read a hand-broken document with ``problem`` naming the field and value,
-    placeholders for what does not read; cancel works on it."""
+    placeholders for what does not read; cancel and stats work on such documents."""
     await raw_insert({"key": "broken", "name": "job", "params": "nope", "state": 42})
     task = await store.get("broken")
     assert task.problem is not None and "params" in task.problem and "'nope'" in task.problem
@@ -390,6 +390,9 @@ async def test_reads_of_a_malformed_document_carry_its_problem(store: Store, raw
     assert [t.key for t in await store.find()] == ["broken"]
     canceled = await store.cancel("broken")
     assert canceled.state is TaskState.CANCELED and canceled.problem is not None
+    await raw_insert({"key": "bare", "name": "job", "state": "PENDING", "created_at": "yesterday"})
+    stats = await store.stats()
+    assert stats.counts == {"job": {"CANCELED": 1, "PENDING": 1}} and stats.oldest_pending_seconds is None
 
 
 MINIMAL = {"key": "by-hand", "name": "job", "params": {"n": 1}}

@@ -360,7 +360,12 @@ class MemoryStore:
         for doc in self._docs.values():
             by_state = counts.setdefault(str(doc.get(f.NAME)), {})
             by_state[str(doc.get(f.STATE))] = by_state.get(str(doc.get(f.STATE)), 0) + 1
-        pending = [d[f.CREATED_AT] for d in self._docs.values() if d.get(f.STATE) == TaskState.PENDING.value]
+        pending = [
+            created
+            for d in self._docs.values()
+            if d.get(f.STATE) == TaskState.PENDING.value
+            and isinstance(created := d.get(f.CREATED_AT), datetime)
+        ]
         hour_ago = now - timedelta(hours=1)
         recent = [
             w.get(f.STATE)
