@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, TaskNotFound
+from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, TaskNotFound, TaskRunnerError
 from taskrunner.models import Task
 from taskrunner.outage import Outage
 from taskrunner.redact import redact
@@ -100,27 +100,31 @@ class Discovery:
     async def settle(self, unreadable: Sequence[Unreadable]) -> None:
         """Normalize each unreadable document (``Store.normalize``): one that then reads is
         considered like a new task, one that does not is marked FAIL naming its problem. A
-        document without a string key is no task: it is reported and left as it is."""
+        document without a string key cannot be addressed: it is reported, and one claim
+        without a key records it as a failed run if the server's claim filter accepts it."""
         for bad in unreadable:
             if bad.key is None:
                 self.report(None, bad.problem)
                 self.keyless()
-                continue
-            try:
-                task = await self.store.normalize(bad.key)
-            except TaskNotFound:
-                continue
-            except StoreError as exc:  # the next sweep finds it again
-                log.warning("cannot normalize a task document yet", key=bad.key, error=redact(str(exc)))
-                continue
-            # Marking may leave a readable document (a wrong state replaced): its error says why.
-            if task.error is not None and task.error.type == MALFORMED:
-                self.report(bad.key, task.error.message)
-            elif task.problem is not None:
-                self.report(bad.key, task.problem)
             else:
-                log.info("normalized a task document written by hand", key=bad.key)
-                self.consider(task)
+                await self._normalize(bad.key)
+
+    async def _normalize(self, key: str) -> None:
+        try:
+            task = await self.store.normalize(key)
+        except TaskNotFound:
+            return  # deleted meanwhile
+        except TaskRunnerError as exc:  # the server failed the write: the next sweep finds it again
+            log.warning("cannot normalize a task document yet", key=key, error=redact(str(exc)))
+            return
+        # Marking may leave a readable document (a wrong state replaced): its error says why.
+        if task.error is not None and task.error.type == MALFORMED:
+            self.report(key, task.error.message)
+        elif task.problem is not None:
+            self.report(key, task.problem)
+        else:
+            log.info("normalized a task document written by hand", key=key)
+            self.consider(task)
 
     def report(self, key: str | None, problem: str) -> None:
         # A sweep (every interval when polling) logs a document only when its problem is
