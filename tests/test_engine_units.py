@@ -160,6 +160,33 @@ async def test_a_worker_runs_a_minimal_document_written_by_hand() -> None:
     assert task.state is TaskState.SUCCESS and task.problem is None and task.options.max_failures == 3
 
 
+class BlindSweeps(MemoryStore):
+    """Sweeps never show unreadable documents: only the change stream can."""
+
+    async def due(self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100) -> Page:
+        page = await super().due(worker_id, names, horizon=horizon, limit=limit)
+        return Page(page.tasks, [], page.after)
+
+
+async def test_a_worker_hears_a_hand_written_document_and_runs_it() -> None:
+    """A minimal document inserted while the worker listens reaches it on the change stream
+    (sweeps here never show it), is normalized and runs."""
+    store = BlindSweeps()
+    runner, done = make_runner(store)
+    worker = Worker(runner, worker_id="w")
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0.3)  # the stream is open; its first sweep has run
+            store.insert_document({"key": "heard", "name": "job"})
+            while done != ["heard"]:
+                await asyncio.sleep(0.02)
+    finally:
+        worker.stop()
+        await running
+    assert (await runner.get("heard")).state is TaskState.SUCCESS
+
+
 class ForgetfulStore(MemoryStore):
     """Loses change history once, as a server does when a stream falls too far behind."""
 
