@@ -20,7 +20,6 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -251,7 +250,8 @@ SERVER_READS = (f.FAILURES, f.PRIORITY)
 SERVER_OPTIONS = (f.CONCURRENCY, f.MAX_FAILURES, f.RETRY_BACKOFF, f.PING_TIMEOUT, f.WORKER_IDS)
 """What the server's claims and outcomes compute with: the model would fill a missing one
 with its default or read ``"2"`` as 2, but the server's filters and updates do neither,
-so a document lacking one is never claimed (or leases without an expiry)."""
+so a document lacking one is never claimed (or leases without an expiry); likewise an
+unfinished task without a ``claimable_at`` date."""
 
 
 def _unserved(doc: dict[str, Any]) -> tuple[str, str] | None:
@@ -268,6 +268,10 @@ def _unserved(doc: dict[str, Any]) -> tuple[str, str] | None:
             return path, f"{path}: missing (a worker fills in its default)"
         if isinstance(value, str):
             return path, f"{path}: must be a number, not a string (got {value!r:.100})"
+    claimable_at = doc.get(f.CLAIMABLE_AT, _MISSING)
+    if doc.get(f.STATE) in (TaskState.PENDING, TaskState.RUNNING) and not isinstance(claimable_at, datetime):
+        got = "missing" if claimable_at is _MISSING else f"got {claimable_at!r:.100}"
+        return f.CLAIMABLE_AT, f"{f.CLAIMABLE_AT}: a PENDING or RUNNING task needs a date here ({got})"
     return None
 
 
@@ -290,7 +294,6 @@ def _placeholder(values: dict[str, Any], doc: dict[str, Any], field: str) -> Non
         f.OPTIONS: {},
         f.WORKERS: [],
         f.STATE: TaskState.PENDING.value,
-        f.CLAIMABLE_AT: born,
     }
     if field in stand_ins:
         values[field] = stand_ins[field]
@@ -341,8 +344,8 @@ class Task(BaseModel):
     """A failure that is never retried ended the task (``Fail``, params the handler rejects)."""
     snoozes: int = 0
     """Runs that ended by ``Retry``, ``ctx.snooze`` or ``RateLimited``: rescheduled, no failure counted."""
-    claimable_at: UtcDatetime | None = Field(None, validate_default=True)
-    """When a new claim may happen (server time); a PENDING or RUNNING task always has one."""
+    claimable_at: UtcDatetime | None = None
+    """When a new claim may happen (server time); a stored PENDING or RUNNING task has one."""
     finished_at: UtcDatetime | None = None
     bucket: Bucket = None
     """Which worker's stream hears the insert (``fields.BUCKETS``); None when missing or out of range."""
@@ -355,13 +358,6 @@ class Task(BaseModel):
     the first problem, ``field: message (got value)``; unreadable fields read as placeholders."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
-
-    @field_validator("claimable_at")
-    @classmethod
-    def _unfinished_has_a_claim_time(cls, value: datetime | None, info: ValidationInfo) -> datetime | None:
-        if value is None and info.data.get(f.STATE) in (TaskState.PENDING, TaskState.RUNNING):
-            raise ValueError("a PENDING or RUNNING task needs a date here, or no worker ever claims it")
-        return value
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:

@@ -82,7 +82,7 @@ def test_a_stored_task_holds_what_the_server_computes_with() -> None:
     with pytest.raises(MalformedTask, match="failures: must be a number, not a string"):
         Task.from_document({**doc_for(), "failures": "2"})
     with pytest.raises(
-        MalformedTask, match="claimable_at: Value error, a PENDING or RUNNING task needs a date"
+        MalformedTask, match=r"claimable_at: a PENDING or RUNNING task needs a date here \(got None\)"
     ):
         Task.from_document({**doc_for(), "claimable_at": None})
 

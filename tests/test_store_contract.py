@@ -482,7 +482,7 @@ async def test_a_marked_document_fixed_by_hand_runs_after_retry(store: Store, ra
     await raw_insert({**MINIMAL, "params": "oops"})
     await store.normalize("by-hand")
     retried = await store.retry("by-hand")
-    assert retried.state is TaskState.PENDING and retried.error is None and retried.claimable_at is not None
+    assert retried.state is TaskState.PENDING and retried.error is None and retried.claimable_at is None
     now = await store.server_time()
     page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
     assert [u.key for u in page.unreadable] == ["by-hand"]
