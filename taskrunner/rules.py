@@ -525,7 +525,8 @@ def apply_retry(doc: Doc, now: datetime) -> None:
 
     A document marked unreadable (or whose counters do not read) is left without a
     ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
-    recheck = f.ERROR in doc or None in (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
+    numbers = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
+    recheck = isinstance(doc.get(f.ERROR), dict) or None in numbers
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
     doc.pop(f.FATAL, None)
     doc.pop(f.ERROR, None)

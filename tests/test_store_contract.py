@@ -30,7 +30,7 @@ from taskrunner import (
 from taskrunner.errors import ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunStatus, RunWrite, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claimed, Failure, RunStatus, RunWrite, Store
 
 pytestmark = pytest.mark.mongo
 Raw = Callable[[dict[str, Any]], Any]
@@ -796,7 +796,10 @@ async def test_claim_many_records_a_malformed_document_as_its_failure(store: Sto
     )
     claimed = await store.claim_many("w1", ["fine", "bad"])
     assert [c.task.key for c in claimed.claims] == ["fine"]
-    assert len(claimed.rejected) <= 1  # a store whose claim filter skips it rejects nothing
+    assert [(problem.key, problem.field) for problem in claimed.rejected] == [("bad", "name")]
+    bad = await store.get("bad")
+    assert bad.state is TaskState.FAIL and bad.fatal and [e.type for e in bad.errors] == ["MalformedTask"]
+    assert (await store.claim_many("w2", ["bad"])) == Claimed([], [])
 
 
 async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(store: Store) -> None:
@@ -838,8 +841,11 @@ async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(s
     assert claim is not None
     ping = RunWrite("ping", "pinned", claim.run_id, "w1")
     assert await store.write_runs([ping]) == [RunStatus.DONE]
-    await publish(store, task("pinned", options={"worker_ids": ["w9"]}))  # no change: it is running
-    assert await store.write_runs([RunWrite("ping", "pinned", claim.run_id, "w2")]) == [RunStatus.NOT_ALLOWED]
+    options = (await store.get("pinned")).options.model_dump()
+    await _set_by_hand(store, "pinned", {"options": {**options, "worker_ids": ["w9"]}})
+    before = (await store.get("pinned")).entry(claim.run_id)
+    assert await store.write_runs([ping]) == [RunStatus.NOT_ALLOWED]
+    assert (await store.get("pinned")).entry(claim.run_id) == before  # the lease was not renewed
     assert await store.write_runs([]) == []
 
 

@@ -514,7 +514,7 @@ def retry_filter(key: str) -> dict[str, Any]:
 def retry_update() -> list[Expr]:
     """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
-    recheck = {"$or": [{"$ne": [{"$type": f.ref(f.ERROR)}, "missing"]}, *unreadable]}
+    recheck = {"$or": [{"$eq": [{"$type": f.ref(f.ERROR)}, "object"]}, *unreadable]}
     fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW, "_tr_recheck": recheck}
     # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
     again = {
