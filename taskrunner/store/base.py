@@ -268,7 +268,9 @@ class Store(Protocol):
         """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
 
     async def retry(self, key: str) -> Task:
-        """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
+        """Make a FAIL or CANCELED task claimable again with a fresh failure budget;
+        ``InvalidState`` for other states and while a run still holds a live lease (a
+        cancel still pending). A document marked unreadable goes back to ``normalize``."""
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
         """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""
