@@ -50,10 +50,6 @@ class ClaimQueue:
     def __contains__(self, key: object) -> bool:
         return key in self._live
 
-    def at(self, key: str) -> float | None:
-        entry = self._live.get(key)
-        return entry.at if entry else None
-
     def put(
         self, key: str, at: float, rank: Rank, *, fresh: bool = False, name: str = "", gate: str = ""
     ) -> None:

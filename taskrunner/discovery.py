@@ -7,7 +7,8 @@ worker's ``consider`` (which queues it only if this worker should claim it); a w
 names no task, so it asks for a sweep (``Store.due``, an indexed query the worker
 runs while it has a free slot). Sweeps also cover what no stream says: expired
 leases, tasks another worker should have claimed, anything written while no stream
-was open (at start and after lost history).
+was open (at start and after lost history). A document no model reads, from either,
+is normalized (``Store.normalize``): given its defaults and considered, or marked FAIL.
 
 A stream that keeps failing for any reason (no change streams on the server, not
 authorized, getMores erroring) degrades the worker to polling: one warning, sweeps
@@ -18,7 +19,6 @@ is away altogether is one error line per outage and quiet jittered retries.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from datetime import datetime
@@ -26,10 +26,12 @@ from typing import Any
 
 import structlog
 
-from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable
+from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, TaskNotFound, TaskRunnerError
 from taskrunner.models import Task
+from taskrunner.outage import Outage
 from taskrunner.redact import redact
-from taskrunner.store.base import ChangeEvent, Store
+from taskrunner.rules import MALFORMED
+from taskrunner.store.base import ChangeEvent, Store, Unreadable
 
 log = structlog.get_logger("taskrunner.discovery")
 REPORTED_MAX = 10_000  # unreadable documents remembered so sweeps do not log them again
@@ -59,9 +61,26 @@ class Discovery:
         self.owned: Mapping[str, Sequence[int]] | None = None
         """Buckets whose inserts the stream hears, per name (None: all; see ``listen``)."""
         self._token: Mapping[str, Any] | None = None
-        self._failures = 0
-        self._stream_failures = 0
+        # A server that is away: one error line per outage, quick jittered retries.
+        self._server = Outage(
+            log,
+            "discovery lost the server; retrying",
+            "discovery recovered",
+            level="error",
+            base=0.2,
+            cap=MAX_BACKOFF,
+        )
+        # A stream that keeps failing: one warning, polling meanwhile, slower retries.
+        self._stream_outage = Outage(
+            log,
+            "change stream failing; polling instead while retrying it",
+            "change stream recovered; sweeping on events again",
+            base=1.0,
+            cap=MAX_STREAM_RETRY,
+        )
         self._reported: dict[str | None, str] = {}
+        self.unsettled: list[Unreadable] = []
+        """Unreadable documents heard of on the stream, normalized before the next event."""
         self._listened = False
 
     def listen(self, owned: Mapping[str, Sequence[int]] | None) -> None:
@@ -76,14 +95,47 @@ class Discovery:
         elif event.wake:
             self.sweep_at(event.wake_at)
         elif event.problem:
-            self.report(event.key, event.problem, repeat=True)
-            self.keyless()
+            self.unsettled.append(Unreadable(event.key, event.problem))
 
-    def report(self, key: str | None, problem: str, *, repeat: bool) -> None:
-        # A change event is news, so it is always logged; a sweep (every interval when
-        # polling) logs a document only when its problem is new, so logs do not fill up.
-        if repeat or self._reported.get(key) != problem:
-            log.warning("skipping unreadable task document", key=key, problem=problem)
+    async def settle(self, unreadable: Sequence[Unreadable]) -> None:
+        """Normalize each unreadable document (``Store.normalize``): one that then reads is
+        considered like a new task, one that does not is marked FAIL naming its problem. A
+        document without a string key cannot be addressed: it is reported, and one claim
+        without a key records it as a failed run if the server's claim filter accepts it."""
+        for bad in unreadable:
+            if bad.key is None:
+                self.report(None, bad.problem)
+                self.keyless()
+            else:
+                await self._normalize(bad.key)
+
+    async def _normalize(self, key: str) -> None:
+        try:
+            task = await self.store.normalize(key)
+        except TaskNotFound:
+            return  # deleted meanwhile
+        except TaskRunnerError as exc:  # the server failed the write: the next sweep finds it again
+            log.warning("cannot normalize a task document yet", key=key, error=redact(str(exc)))
+            return
+        # Marking may leave a readable document (a wrong state replaced): its error says why.
+        if task.error is not None and task.error.type == MALFORMED:
+            self.report(key, task.error.message)
+        elif task.problem is not None:
+            self.report(key, task.problem)
+        else:
+            log.info("normalized a task document written by hand", key=key)
+            self.consider(task)
+
+    def report(self, key: str | None, problem: str) -> None:
+        # A sweep (every interval when polling) logs a document only when its problem is
+        # new, so logs do not fill up with a document nobody can mark.
+        if self._reported.get(key) != problem:
+            event = (
+                "skipping unreadable task document"
+                if key is None
+                else "marked an unreadable task document FAIL"
+            )
+            log.warning(event, key=key, problem=problem)
         if len(self._reported) >= REPORTED_MAX:
             self._reported.clear()
         self._reported[key] = problem
@@ -100,7 +152,7 @@ class Discovery:
                 log.info("change stream history lost; sweeping")
                 self._token = None
             except StoreUnavailable as exc:
-                await self._back_off(stop, exc)
+                await _pause(stop, self._server.failed(exc))
             except StoreError as exc:  # unsupported, unauthorized, getMores failing, ...
                 await self._degrade(stop, exc)
 
@@ -108,7 +160,7 @@ class Discovery:
         owned = self.owned
         stream = await self.store.watch(resume_after=self._token, work_for=self.names, owned=owned)
         try:
-            self._recovered()  # the server answered the aggregate that opened the stream
+            self._server.ok()  # the server answered the aggregate that opened the stream
             if not self._listened:  # from here on every insert and wake reaches the worker
                 log.info("change stream opened")
                 self._listened = True
@@ -121,40 +173,26 @@ class Discovery:
                 self._token = stream.resume_token
                 if event is not None:
                     self.on_event(event)
+                if self.unsettled:
+                    unsettled, self.unsettled = self.unsettled, []
+                    await self.settle(unsettled)
         finally:
             with suppress(StoreError):
                 await stream.close()
 
     def _opened(self) -> None:
-        if self.polling:
-            log.info("change stream recovered; sweeping on events again", failures=self._stream_failures)
-            self.polling = False
-        self._stream_failures = 0
+        self._stream_outage.ok()
+        self.polling = False
 
     async def _degrade(self, stop: asyncio.Event, exc: StoreError) -> None:
         """Poll (sweep every poll interval) and retry the stream with capped backoff."""
         if not self.polling:
-            log.warning("change stream failing; polling instead while retrying it", reason=redact(str(exc)))
             self.polling = True
             self.sweep_at(None)
-        self._stream_failures += 1
-        delay = min(MAX_STREAM_RETRY, 0.5 * 2 ** min(self._stream_failures, 8)) * random.uniform(0.5, 1.0)
-        with suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+        await _pause(stop, self._stream_outage.failed(exc))
 
-    def _recovered(self) -> None:
-        if self._failures:
-            log.info("discovery recovered", failures=self._failures)
-            self._failures = 0
 
-    async def _back_off(self, stop: asyncio.Event, exc: StoreError) -> None:
-        # One log line per outage, then quiet retries with jittered exponential backoff,
-        # capped low enough that the worker is back within seconds of the server.
-        if self._failures == 0:
-            log.error("discovery lost the server; retrying", error=redact(str(exc)))
-        else:
-            log.debug("discovery lost the server; retrying", error=redact(str(exc)), failures=self._failures)
-        self._failures += 1
-        delay = min(MAX_BACKOFF, 0.2 * 2 ** min(self._failures, 8)) * random.uniform(0.5, 1.0)
-        with suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds``, or less if ``stop`` is set meanwhile."""
+    with suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)

@@ -18,6 +18,8 @@
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
         ├── WriteRejected               refused, e.g. by a $jsonSchema validator
+        ├── DuplicateKey                a unique index refused an insert: another writer was first
+        ├── PartialBulkWrite            some writes of one bulk write failed; each one's error
         ├── ChangeHistoryLost           a change stream cannot resume; rescan
         └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
@@ -82,9 +84,11 @@ class TaskNotFound(TaskRunnerError, LookupError):
 class InvalidState(TaskRunnerError):
     """The task's state does not allow the operation."""
 
-    def __init__(self, key: str, state: str, operation: str, allowed: str) -> None:
+    def __init__(self, key: str, state: str, operation: str, allowed: str, *, why: str = "") -> None:
         self.key, self.state = key, state
-        super().__init__(f"cannot {operation} task {key!r}: it is {state}; only {allowed} tasks can be")
+        super().__init__(
+            f"cannot {operation} task {key!r}: it is {state}; {why or f'only {allowed} tasks can be'}"
+        )
 
 
 class WaitTimeout(TaskRunnerError, TimeoutError):
@@ -106,9 +110,11 @@ class UnknownHandler(TaskRunnerError, LookupError):
 class MalformedTask(TaskRunnerError):
     """A stored document does not follow the task schema."""
 
-    def __init__(self, key: object, problem: str) -> None:
+    def __init__(self, key: object, problem: str, *, field: str = "") -> None:
         self.key = key
         self.problem = problem
+        self.field = field
+        """The dotted path of the field that does not read ("" when not known)."""
         super().__init__(f"malformed task document {key!r}: {problem}")
 
 
@@ -135,6 +141,19 @@ class StoreUnavailable(StoreError):
 
 class WriteRejected(StoreError):
     """The database refused a write (validator, document too large, ...)."""
+
+
+class DuplicateKey(StoreError):
+    """A unique index refused the write: another writer created that document first."""
+
+
+class PartialBulkWrite(StoreError):
+    """Some writes of one bulk write failed: ``errors`` holds each failed write's error by
+    its position, ``matched`` how many of the others matched a document."""
+
+    def __init__(self, message: str, matched: int, errors: dict[int, StoreError]) -> None:
+        self.matched, self.errors = matched, errors
+        super().__init__(message)
 
 
 class ChangeHistoryLost(StoreError):

@@ -42,8 +42,7 @@ from taskrunner.models import Task, TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.retries import delay as retry_delay
-from taskrunner.rules import RunStatus
-from taskrunner.store.base import Claim, Failure, RunWrite, RunWriteKind, Store
+from taskrunner.store.base import Claim, Failure, RunStatus, RunWrite, RunWriteKind, Store
 from taskrunner.writes import RunWrites
 
 MAX_RESULT_BYTES = 8 * 1024 * 1024

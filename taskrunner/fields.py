@@ -87,6 +87,13 @@ ERROR_MESSAGE: Final = "message"
 ERROR_TRACEBACK: Final = "traceback"
 
 
+# -- change events (the documents a MongoDB change stream returns) ---------------------------
+OPERATION_TYPE: Final = "operationType"
+FULL_DOCUMENT: Final = "fullDocument"
+UPDATE_DESCRIPTION: Final = "updateDescription"
+UPDATED_FIELDS: Final = "updatedFields"
+
+
 # -- worker registry (collection "<tasks collection>.workers") --------------------------------
 REGISTRY_SUFFIX: Final = "workers"
 HOST: Final = "host"
@@ -122,8 +129,19 @@ THROTTLED_GATES: Final = "throttled_gates"
 GATE: Final = "gate"
 UNTIL: Final = "until"
 RESUMED_AT: Final = "resumed_at"
-SCHEDULE_DEFINITION: Final = (NAME, PARAMS, PRIORITY, OPTIONS, CRON, EVERY, TIMEZONE, CATCH_UP, MAX_CATCH_UP,
-                              JITTER, GRACE)  # fmt: skip
+SCHEDULE_DEFINITION: Final = (
+    NAME,
+    PARAMS,
+    PRIORITY,
+    OPTIONS,
+    CRON,
+    EVERY,
+    TIMEZONE,
+    CATCH_UP,
+    MAX_CATCH_UP,
+    JITTER,
+    GRACE,
+)
 """Fields a worker writes from its app's code at start; the rest is the schedule's state."""
 
 

@@ -23,8 +23,7 @@ import structlog
 
 from taskrunner.errors import TaskRunnerError
 from taskrunner.outage import Outage
-from taskrunner.rules import RunStatus
-from taskrunner.store.base import RunWrite
+from taskrunner.store.base import RunStatus, RunWrite
 from taskrunner.writes import RunWrites
 
 

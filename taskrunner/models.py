@@ -168,10 +168,6 @@ class TaskError(BaseModel):
     message: str
     traceback: str | None = None
 
-    @classmethod
-    def from_exception(cls, exc: BaseException, traceback: str | None = None) -> TaskError:
-        return cls(type=type(exc).__qualname__, message=str(exc), traceback=traceback)
-
 
 class WorkerEntry(BaseModel):
     """One claim of a task by a worker (an element of ``workers``)."""
@@ -191,10 +187,6 @@ class WorkerEntry(BaseModel):
     finished_at: UtcDatetime | None = None
     took_over: list[str] = Field(default_factory=list)
     """Workers whose expired leases this claim dropped (a takeover)."""
-
-    def live(self, now: datetime) -> bool:
-        """RUNNING with a lease that has not expired at ``now`` (server time)."""
-        return self.state is EntryState.RUNNING and self.expires_at > now
 
 
 class NewTask(BaseModel):
@@ -252,6 +244,71 @@ class NewTask(BaseModel):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise invalid_task(exc) from None
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+SERVER_READS = (f.FAILURES, f.PRIORITY)
+SERVER_OPTIONS = (f.CONCURRENCY, f.MAX_FAILURES, f.RETRY_BACKOFF, f.PING_TIMEOUT, f.WORKER_IDS)
+"""What the server's claims and outcomes compute with: the model would fill a missing one
+with its default or read ``"2"`` as 2, but the server's filters and updates do neither,
+so a document lacking one is never claimed (or leases without an expiry); likewise an
+unfinished task without a ``claimable_at`` date."""
+
+
+def _unserved(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field the server needs that ``doc`` lacks or holds as a string."""
+    options = doc.get(f.OPTIONS)
+    found = (
+        {f.opt(name): options.get(name, _MISSING) for name in SERVER_OPTIONS}
+        if isinstance(options, dict)
+        else {}
+    )
+    found |= {name: doc.get(name, _MISSING) for name in SERVER_READS}
+    for path, value in found.items():
+        if value is _MISSING:
+            return path, f"{path}: missing (a worker fills in its default)"
+        if isinstance(value, str):
+            return path, f"{path}: must be a number, not a string (got {value!r:.100})"
+    claimable_at = doc.get(f.CLAIMABLE_AT, _MISSING)
+    if doc.get(f.STATE) in (TaskState.PENDING, TaskState.RUNNING) and not isinstance(claimable_at, datetime):
+        got = "missing" if claimable_at is _MISSING else f"got {claimable_at!r:.100}"
+        return f.CLAIMABLE_AT, f"{f.CLAIMABLE_AT}: a PENDING or RUNNING task needs a date here ({got})"
+    return None
+
+
+_MISSING = object()
+
+
+def _placeholder(values: dict[str, Any], doc: dict[str, Any], field: str) -> None:
+    """Put a readable stand-in for ``field`` into ``values`` (or drop it: its default)."""
+    oid = doc.get(f.ID)
+    born = oid.generation_time if isinstance(oid, bson.ObjectId) else EPOCH  # when it was inserted
+    key = doc.get(f.KEY)
+    stand_ins: dict[str, Any] = {
+        f.KEY: key if isinstance(key, str) and key else str(oid),
+        f.NAME: str(doc.get(f.NAME, "")),
+        f.PARAMS: {},
+        f.PRIORITY: 0,
+        f.CREATED_AT: born,
+        f.UPDATED_AT: born,
+        f.RUN_AT: born,
+        f.OPTIONS: {},
+        f.WORKERS: [],
+        f.STATE: TaskState.PENDING.value,
+    }
+    if field in stand_ins:
+        values[field] = stand_ins[field]
+    else:
+        values.pop(field, None)
+
+
+def described(exc: ValidationError) -> tuple[str, str]:
+    """The first problem of a validation error: its dotted field path, and
+    ``path: message (got value)`` (no value when the field is missing)."""
+    err = exc.errors()[0]
+    path = ".".join(str(p) for p in err["loc"])
+    got = "" if err["type"] == "missing" else f" (got {err['input']!r:.100})"
+    return path, f"{path}: {err['msg']}{got}"
 
 
 def first_error(exc: ValidationError) -> str:
@@ -317,9 +374,17 @@ class Task(BaseModel):
     snoozes: int = 0
     """Runs that ended by ``Retry``, ``ctx.snooze`` or ``RateLimited``: rescheduled, no failure counted."""
     claimable_at: UtcDatetime | None = None
+    """When a new claim may happen (server time); a stored PENDING or RUNNING task has one."""
     finished_at: UtcDatetime | None = None
     bucket: Bucket = None
     """Which worker's stream hears the insert (``fields.BUCKETS``); None when missing or out of range."""
+    error: TaskError | None = None
+    """Why no worker can run the document as written: set with state FAIL (and ``fatal``)
+    when a worker found it unreadable; its type is ``MalformedTask`` and its message names
+    the field and the value (docs/schema.md, "Documents written by hand")."""
+    problem: str | None = None
+    """Only on a task read from a document that does not follow the schema (``Task.read``):
+    the first problem, ``field: message (got value)``; unreadable fields read as placeholders."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
     _binding: _Binding = PrivateAttr(default_factory=_Binding)
@@ -344,16 +409,36 @@ class Task(BaseModel):
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+        """The task in ``doc``; raises ``MalformedTask`` naming the first field that does not read."""
         try:
-            return cls.model_validate({**doc, "created": created})
+            task = cls.model_validate({**doc, "problem": None, "created": created})
         except ValidationError as exc:
-            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), first_error(exc)) from None
+            field, problem = described(exc)
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), problem, field=field) from None
+        unserved = _unserved(doc)
+        if unserved is not None:
+            raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), unserved[1], field=unserved[0])
+        return task
+
+    @classmethod
+    def read(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+        """The task in ``doc`` even when the document does not follow the schema: then
+        ``problem`` says why and each field that does not read holds a placeholder, so
+        operators can list, show, cancel, retry and purge it."""
+        try:
+            return cls.from_document(doc, created=created)
+        except MalformedTask as exc:
+            values = {**doc, "problem": exc.problem, "created": created}
+        for _ in range(len(values)):  # each pass replaces what the last one could not read
+            try:
+                return cls.model_validate(values)
+            except ValidationError as exc:
+                for field in {str(e["loc"][0]) for e in exc.errors()}:
+                    _placeholder(values, doc, field)
+        raise AssertionError(f"no placeholder makes {doc!r} readable")
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
-
-    def live_entries(self, now: datetime) -> list[WorkerEntry]:
-        return [w for w in self.workers if w.live(now)]
 
     @property
     def successes(self) -> int:
@@ -366,8 +451,10 @@ class Task(BaseModel):
 
     @property
     def errors(self) -> list[TaskError]:
-        """The error records of the failed runs, in claim order."""
-        return [w.error for w in self.workers if w.state is EntryState.FAIL and w.error is not None]
+        """The error records of the failed runs, in claim order, then the document's own
+        ``error`` when a worker marked it unreadable."""
+        runs = [w.error for w in self.workers if w.state is EntryState.FAIL and w.error is not None]
+        return [*runs, self.error] if self.error is not None else runs
 
     @property
     def last_error(self) -> TaskError | None:

@@ -8,14 +8,18 @@ null or not a date never matches.
 
 from __future__ import annotations
 
-import enum
+import copy
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
+
 from taskrunner import fields as f
-from taskrunner.models import EntryState, NewTask, Task, TaskState
+from taskrunner.errors import InvalidState, MalformedTask
+from taskrunner.models import EntryState, NewTask, Task, TaskOptions, TaskState
+from taskrunner.store.base import RunStatus
 
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
@@ -71,7 +75,8 @@ def summarize(doc: Doc, now: datetime) -> None:
     if concurrency is not None and successes(doc) + len(live) < concurrency:
         doc[f.CLAIMABLE_AT] = run_at
     else:
-        # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+        # Slots are full: a slot frees when the earliest live lease expires, so a new
+        # claimer is not woken before then.
         earliest = min((w[f.EXPIRES_AT] for w in live), default=run_at)
         doc[f.CLAIMABLE_AT] = max(run_at, earliest) if isinstance(run_at, datetime) else earliest
 
@@ -165,37 +170,45 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
         return
     attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
     timeout = _num(option(doc, f.PING_TIMEOUT))
-    entry = {
-        f.WORKER_ID: worker_id, f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value,
-        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: None if timeout is None else now + timedelta(seconds=timeout),
-        f.ATTEMPT: attempt, f.PROGRESS: None, f.RESULT: None,
-        f.ERROR: None, f.FINISHED_AT: None, f.TOOK_OVER: [w.get(f.WORKER_ID) for w in expired],
-    }  # fmt: skip
+    expires_at = None if timeout is None else now + timedelta(seconds=timeout)
+    entry = new_entry(worker_id, run_id, now, expires_at, attempt, [w.get(f.WORKER_ID) for w in expired])
     doc[f.ATTEMPTS] = attempt
     doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
     summarize(doc, now)
 
 
+def new_entry(worker_id: Any, run_id: Any, now: Any, expires_at: Any, attempt: Any, took_over: Any) -> Doc:
+    """The RUNNING entry a claim appends, in the field order the mongo shell shows.
+    ``expressions.new_entry`` passes server expressions for the values."""
+    return {
+        f.WORKER_ID: worker_id,
+        f.RUN_ID: run_id,
+        f.STATE: EntryState.RUNNING.value,
+        f.CLAIMED_AT: now,
+        f.PING_AT: now,
+        f.EXPIRES_AT: expires_at,
+        f.ATTEMPT: attempt,
+        f.PROGRESS: None,
+        f.RESULT: None,
+        f.ERROR: None,
+        f.FINISHED_AT: None,
+        f.TOOK_OVER: took_over,
+    }
+
+
 def claim_order(doc: Doc) -> tuple[float, str, str]:
     """Priority descending, then oldest (the claim sort), total even for odd field types."""
     created = doc.get(f.CREATED_AT)
-    return (-(_num(doc.get(f.PRIORITY)) or 0.0), created.isoformat() if isinstance(created, datetime) else "",
-            str(doc.get(f.ID)))  # fmt: skip
+    return (
+        -(_num(doc.get(f.PRIORITY)) or 0.0),
+        created.isoformat() if isinstance(created, datetime) else "",
+        str(doc.get(f.ID)),
+    )
 
 
 def running_entry(doc: Doc, run_id: str) -> Doc | None:
     """The RUNNING entry of ``run_id``: the fencing check every state write makes."""
     return next((w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_running(w)), None)
-
-
-class RunStatus(enum.Enum):
-    """What a fenced write for one run found (see ``Store.write_runs``)."""
-
-    DONE = "done"
-    LOST = "lost"  # no RUNNING entry of this run any more: another worker owns the task
-    CANCELED = "canceled"  # renewal refused: the task was canceled
-    NOT_ALLOWED = "not allowed"  # renewal refused: worker_ids no longer name this worker
-    UNCONFIRMED = "unconfirmed"  # still owned, but this renewal cannot be shown to have landed
 
 
 def renewal_status(doc: Doc | None, run_id: str, worker_id: str) -> RunStatus:
@@ -326,10 +339,16 @@ def updatable(doc: Doc) -> bool:
 def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
     """``update_pending``: new params, priority, run_at and options; not a new task."""
     run_at = start_time(task, now)
-    doc.update({
-        f.PARAMS: task.params, f.PRIORITY: task.priority, f.OPTIONS: task.options.model_dump(),
-        f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at, f.UPDATED_AT: now,
-    })  # fmt: skip
+    doc.update(
+        {
+            f.PARAMS: task.params,
+            f.PRIORITY: task.priority,
+            f.OPTIONS: task.options.model_dump(),
+            f.RUN_AT: run_at,
+            f.CLAIMABLE_AT: run_at,
+            f.UPDATED_AT: now,
+        }
+    )
     if doc[f.FAILURES] >= task.options.max_failures:
         doc[f.STATE] = TaskState.FAIL.value
         doc.pop(f.CLAIMABLE_AT)
@@ -354,7 +373,7 @@ def next_claim(task: Task, worker_id: str) -> datetime | None:
         return None
     mine = [w for w in task.workers if w.worker_id == worker_id]
     if any(w.state is EntryState.SUCCESS for w in mine):
-        return None  # mscheduler gap 6: never run the same task twice on one worker
+        return None  # a worker never runs the same task twice (its success counts once)
     running = [w.expires_at for w in mine if w.state is EntryState.RUNNING]
     return max([task.claimable_at, *running])
 
@@ -398,13 +417,125 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
 
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
+STATES = tuple(state.value for state in TaskState)
+
+# -- documents written by hand or by other languages (docs/schema.md) ------------------------
+MALFORMED = "MalformedTask"
+"""The error type of a document marked unreadable (and of a claimed one that did not read)."""
+STAMPED = (f.CREATED_AT, f.UPDATED_AT, f.RUN_AT)
+"""Times a hand-written document may leave out: they default to server now."""
+HAND_DEFAULTS: Doc = {
+    f.PARAMS: {},
+    f.PRIORITY: 0,
+    f.WORKERS: [],
+    f.STATE: TaskState.PENDING.value,
+    f.FAILURES: 0,
+    f.ATTEMPTS: 0,
+}
+"""Defaults of the other fields a hand-written document may leave out (``key`` and
+``name`` are required); each option it lacks gets its default, and an unfinished task
+without ``claimable_at`` becomes claimable at its ``run_at``."""
+
+
+def unsettled(doc: Doc) -> bool:
+    """Should a worker's sweep normalize this document? A string key and no valid state,
+    or unfinished without a ``claimable_at`` date: nothing else would ever claim it."""
+    state, claimable_at = doc.get(f.STATE), doc.get(f.CLAIMABLE_AT)
+    unfinished = state in ACTIVE and not isinstance(claimable_at, datetime)
+    return isinstance(doc.get(f.KEY), str) and (state not in STATES or unfinished)
+
+
+def normalization(doc: Doc, now: Any) -> Doc:
+    """The fields normalizing ``doc`` sets: each one it lacks, with its default (``now``
+    for times), and ``options`` with the options it lacks (when it is an object)."""
+    fill: Doc = {field: now for field in STAMPED if field not in doc}
+    fill |= {field: copy.deepcopy(value) for field, value in HAND_DEFAULTS.items() if field not in doc}
+    options = _filled_options(doc)
+    if options is not None:
+        fill[f.OPTIONS] = options
+    if f.CLAIMABLE_AT not in doc and fill.get(f.STATE, doc.get(f.STATE)) in ACTIVE:
+        fill[f.CLAIMABLE_AT] = fill.get(f.RUN_AT, doc.get(f.RUN_AT))
+    return fill
+
+
+def _filled_options(doc: Doc) -> Doc | None:
+    """``options`` with every option it lacks at its default; None when nothing is missing
+    or it does not read (then the document is marked, naming the option)."""
+    options = doc.get(f.OPTIONS, {})
+    if not isinstance(options, dict):
+        return None
+    try:
+        full = TaskOptions.model_validate(options).model_dump()
+    except ValidationError:
+        return None
+    filled = {**full, **options}  # the given ones kept as written
+    return filled if f.OPTIONS not in doc or filled.keys() != options.keys() else None
+
+
+def verdict(doc: Doc, now: Any) -> tuple[Doc, MalformedTask | None]:
+    """What normalizing ``doc`` sets, and why the result still does not read (or None)."""
+    fill = normalization(doc, now)
+    try:
+        Task.from_document({**doc, **fill})
+    except MalformedTask as exc:
+        return fill, exc
+    return fill, None
+
+
+def is_marked(doc: Doc) -> bool:
+    """Was ``doc`` marked unreadable (its own ``error`` is a ``MalformedTask``)?"""
+    error = doc.get(f.ERROR)
+    return isinstance(error, dict) and error.get(f.ERROR_TYPE) == MALFORMED
+
+
+def marked_error(problem: str) -> Doc:
+    """The ``error`` a document marked unreadable holds."""
+    message = f"{problem}; fix the document, then retry it"
+    return {f.ERROR_TYPE: MALFORMED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
+
+
+def apply_normalization(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
+    """Set ``fill``; a document that still does not read is marked: FAIL, ``fatal``, and
+    its own ``error`` naming the field and value. Nothing written by hand is removed."""
+    doc.update(fill)
+    doc[f.UPDATED_AT] = now
+    if problem is None:
+        return
+    doc.update({f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: marked_error(problem.problem)})
+    doc[f.FINISHED_AT] = now
+    doc.pop(f.CLAIMABLE_AT, None)
+
+
+def still_running(doc: Doc, now: datetime) -> list[str]:
+    """Workers whose run still holds a live lease: a FAIL or CANCELED task with one is
+    not retried until that run has stopped (a canceled run stops at its next renewal)."""
+    return [str(w.get(f.WORKER_ID)) for w in _entries(doc) if is_live(w, now)]
+
+
+def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
+    """Why ``retry`` refuses a task: its state, or the runs still stopping."""
+    if state not in RETRYABLE:
+        return InvalidState(key, state, "retry", "FAIL or CANCELED")
+    why = f"its run on {', '.join(workers)} is still stopping; retry it once it has stopped"
+    return InvalidState(key, state, "retry", "FAIL or CANCELED", why=why)
 
 
 def apply_retry(doc: Doc, now: datetime) -> None:
-    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history."""
+    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history.
+
+    A document marked unreadable (or whose counters do not read) is left without a
+    ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
+    numbers = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
+    recheck = isinstance(doc.get(f.ERROR), dict) or None in numbers
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
     doc.pop(f.FATAL, None)
-    summarize(doc, now)
+    doc.pop(f.ERROR, None)
+    if not recheck:
+        summarize(doc, now)
+        return
+    doc[f.UPDATED_AT] = now
+    doc.pop(f.CLAIMABLE_AT, None)
+    doc.pop(f.FINISHED_AT, None)
 
 
 def purgeable(doc: Doc, states: Sequence[str], cutoff: datetime) -> bool:

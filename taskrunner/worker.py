@@ -568,10 +568,7 @@ class Worker:
         before = len(self.queue)
         others = [t for t in page.tasks if not self.consider(t)]
         self._steal([t for t in others if t.state is TaskState.RUNNING] if own_work else others)
-        for bad in page.unreadable:
-            self.discovery.report(bad.key, bad.problem, repeat=False)
-        if page.unreadable:
-            self.keyless()
+        await self.discovery.settle(page.unreadable)
         more = page.after is not None and len(self.queue) > before
         # An idle fleet sweeps half as often: nothing was claimable within the horizon and
         # new tasks reach their owners' streams; a sweep that sees anything keeps the pace.

@@ -13,8 +13,7 @@ from test_engine_units import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.heartbeat import Heartbeat, Lease
-from taskrunner.rules import RunStatus
-from taskrunner.store.base import Claim, Claimed, RunResult, RunWrite
+from taskrunner.store.base import Claim, Claimed, RunResult, RunStatus, RunWrite
 from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 from taskrunner.writes import RunWrites

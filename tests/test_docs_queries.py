@@ -36,6 +36,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+import runs
 from mongosh import mongosh_path
 from pymongo import AsyncMongoClient, MongoClient
 from workers import dev_server
@@ -145,7 +146,7 @@ async def _load_sample(uri: str, database: str) -> None:
         return claimed.run_id
 
     async def fail(worker_id: str, key: str, kind: str, message: str) -> None:
-        await store.fail(key, await claim(worker_id, key), TaskError(type=kind, message=message))
+        await runs.fail(store, key, await claim(worker_id, key), TaskError(type=kind, message=message))
 
     async def backdate(key: str, worker_id: str | None = None, **ago: timedelta) -> None:
         """Move task fields (or one worker entry's) into the past."""
@@ -162,7 +163,7 @@ async def _load_sample(uri: str, database: str) -> None:
         await publish("resize", "img:43", priority=5)
         await publish("resize", "img:44", priority=5)
         await publish("resize", "img:42", priority=5)
-        await store.ping("img:42", await claim(A, "img:42"))
+        await runs.ping(store, "img:42", await claim(A, "img:42"))
         # email: mail:1 and mail:4 RUNNING on C whose lease expired; mail:4 had one failure to spend.
         for key, budget in (("mail:1", 3), ("mail:4", 1)):
             await publish("email", key, max_failures=budget)
@@ -173,7 +174,7 @@ async def _load_sample(uri: str, database: str) -> None:
         # mail:2 failed on A a moment ago and runs on B; mail:3 spent its one failure on A.
         await publish("email", "mail:2", retry_backoff=0)
         await fail(A, "mail:2", "SMTPError", "connection refused")
-        await store.ping("mail:2", await claim(B, "mail:2"))
+        await runs.ping(store, "mail:2", await claim(B, "mail:2"))
         await publish("email", "mail:3", max_failures=1)
         await fail(A, "mail:3", "SMTPError", "mailbox full")
         # report: rep:1 failed 3 h ago, then succeeded on B; rep:2 succeeded 10 days ago;
@@ -181,25 +182,29 @@ async def _load_sample(uri: str, database: str) -> None:
         await publish("report", "rep:1", max_failures=2, retry_backoff=0)
         await fail(A, "rep:1", "TimeoutError", "query timed out")
         await backdate("rep:1", A, claimed_at=timedelta(hours=3, minutes=1), finished_at=timedelta(hours=3))
-        await store.succeed("rep:1", await claim(B, "rep:1"), {"rows": 10})
+        await runs.succeed(store, "rep:1", await claim(B, "rep:1"), {"rows": 10})
         await publish("report", "rep:2")
-        await store.succeed("rep:2", await claim(A, "rep:2"), {"rows": 3})
+        await runs.succeed(store, "rep:2", await claim(A, "rep:2"), {"rows": 3})
         days = timedelta(days=10)
         await backdate("rep:2", created_at=days, run_at=days, updated_at=days, finished_at=days)
         await backdate("rep:2", A, claimed_at=days, ping_at=days, finished_at=days)
         await publish("report", "rep:3")
-        await store.ping("rep:3", await claim(B, "rep:3"))
+        await runs.ping(store, "rep:3", await claim(B, "rep:3"))
         await backdate("rep:3", B, claimed_at=timedelta(hours=2))
         await publish("report", "rep:4")
         await store.cancel("rep:4")
         # mail:5 failed on A with budget left: PENDING, its next attempt ten minutes away.
         await publish("email", "mail:5")
         error = TaskError(type="SMTPError", message="greylisted")
-        await store.fail("mail:5", await claim(A, "mail:5"), error, retry_in=600)
+        await runs.fail(store, "mail:5", await claim(A, "mail:5"), error, retry_in=600)
         # rep:5 raised Fail on B: FAIL at once (fatal), its budget untouched.
         await publish("report", "rep:5")
-        await store.fail(
-            "rep:5", await claim(B, "rep:5"), TaskError(type="Fail", message="no such team"), final=True
+        await runs.fail(
+            store,
+            "rep:5",
+            await claim(B, "rep:5"),
+            TaskError(type="Fail", message="no such team"),
+            final=True,
         )
         # img:45 snoozed on A for ten minutes; the name "digest" is paused.
         await publish("resize", "img:45")

@@ -67,8 +67,13 @@ def test_exactly_one_worker_owns_each_task_and_owners_spread() -> None:
     workers = [Worker(runner, worker_id=f"w{i}") for i in range(5)]
     started = datetime.now(UTC)
     for w in workers:
-        w.peers = [WorkerInfo(worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"],
-                              concurrency=1) for o in workers if o is not w]  # fmt: skip
+        w.peers = [
+            WorkerInfo(
+                worker_id=o.worker_id, host="h", pid=1, started_at=started, names=["job"], concurrency=1
+            )
+            for o in workers
+            if o is not w
+        ]
 
     async def owners() -> list[str]:
         tasks = await runner.store.publish(
@@ -119,19 +124,68 @@ class CountedSweeps(NoStreams):
         return await super().due(worker_id, names, horizon=horizon, limit=limit)
 
 
-async def test_a_sweep_reports_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
-    """A sweep names an unreadable document (once, however often it polls) and still runs every other task."""
+async def test_a_sweep_marks_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
+    """A sweep marks an unreadable document FAIL naming its field (logged once, however
+    often the worker polls) and still runs every other task."""
     store = CountedSweeps()
     runner, done = make_runner(store)
-    store.insert_document({"key": "a-broken", "name": "job", "params": "nope", "state": "PENDING",
-                           "claimable_at": datetime(2020, 1, 1, tzinfo=UTC), "options": {"worker_ids": []}})  # fmt: skip
+    store.insert_document(
+        {
+            "key": "a-broken",
+            "name": "job",
+            "params": "nope",
+            "state": "PENDING",
+            "claimable_at": datetime(2020, 1, 1, tzinfo=UTC),
+            "options": {"worker_ids": []},
+        }
+    )
     await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(4)])
     worker = Worker(runner, worker_id="w", poll_interval=0.05)
     with capture_logs() as logs:
         await run_until(worker, lambda: len(done) == 4 and store.sweeps >= 3)
-    skipped = [e for e in logs if e["event"] == "skipping unreadable task document"]
+    marked = [e for e in logs if e["event"] == "marked an unreadable task document FAIL"]
     assert sorted(done) == [f"k{i}" for i in range(4)]
-    assert len(skipped) == 1 and skipped[0]["key"] == "a-broken" and "params" in skipped[0]["problem"]
+    assert len(marked) == 1 and marked[0]["key"] == "a-broken" and "params" in marked[0]["problem"]
+    broken = store.document("a-broken")
+    assert broken["state"] == "FAIL" and broken["error"]["type"] == "MalformedTask"
+
+
+async def test_a_worker_runs_a_minimal_document_written_by_hand() -> None:
+    """A document holding only key, name and params is normalized by a polling worker's sweep and run."""
+    store = CountedSweeps()
+    runner, done = make_runner(store)
+    store.insert_document({"key": "by-hand", "name": "job", "params": {"n": 1}})
+    worker = Worker(runner, worker_id="w", poll_interval=0.05)
+    await run_until(worker, lambda: done == ["by-hand"])
+    task = await runner.get("by-hand")
+    assert task.state is TaskState.SUCCESS and task.problem is None and task.options.max_failures == 3
+
+
+class BlindSweeps(MemoryStore):
+    """Sweeps never show unreadable documents: only the change stream can."""
+
+    async def due(self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100) -> Page:
+        page = await super().due(worker_id, names, horizon=horizon, limit=limit)
+        return Page(page.tasks, [], page.after)
+
+
+async def test_a_worker_hears_a_hand_written_document_and_runs_it() -> None:
+    """A minimal document inserted while the worker listens reaches it on the change stream
+    (sweeps here never show it), is normalized and runs."""
+    store = BlindSweeps()
+    runner, done = make_runner(store)
+    worker = Worker(runner, worker_id="w")
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0.3)  # the stream is open; its first sweep has run
+            store.insert_document({"key": "heard", "name": "job"})
+            while done != ["heard"]:
+                await asyncio.sleep(0.02)
+    finally:
+        worker.stop()
+        await running
+    assert (await runner.get("heard")).state is TaskState.SUCCESS
 
 
 class ForgetfulStore(MemoryStore):

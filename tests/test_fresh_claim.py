@@ -15,9 +15,8 @@ import pytest
 from pymongo import ReturnDocument
 
 from taskrunner import NewTask
-from taskrunner.rules import RunStatus
 from taskrunner.store import expressions as x
-from taskrunner.store.base import RunWrite
+from taskrunner.store.base import RunStatus, RunWrite
 from taskrunner.store.mongo import MongoStore
 
 pytestmark = [pytest.mark.mongo, pytest.mark.parametrize("store", ["embedded", "real"], indirect=True)]

@@ -97,6 +97,8 @@ HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
         x.due_filter("w1", ["noop"], 0, TaskState.PENDING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
+    "sweep, unsettled: no valid state": (TASK_INDEXES, x.unsettled_branches()[0], []),
+    "sweep, unsettled: no claimable_at date": (TASK_INDEXES, x.unsettled_branches()[1], []),
     "registry beat": (REGISTRY_INDEXES, {f.ID: "w1"}, []),
     "registry liveness": (REGISTRY_INDEXES, LIVE, [(f.ID, 1)]),
 }

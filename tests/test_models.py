@@ -27,7 +27,7 @@ def doc_for(**options: object) -> dict[str, Any]:
     return doc
 
 
-def test_defaults_follow_the_seed() -> None:
+def test_option_defaults() -> None:
     """Defaults: concurrency 1, max_failures 3, ping every 5 s, lease 30 s, any worker."""
     options = TaskOptions()
     assert (options.concurrency, options.max_failures, options.ping_interval, options.ping_timeout) == (
@@ -69,6 +69,51 @@ def test_malformed_document_names_the_field() -> None:
     doc = {**doc_for(), "workers": "oops"}
     with pytest.raises(MalformedTask, match="workers"):
         Task.from_document(doc)
+
+
+def test_a_stored_task_holds_what_the_server_computes_with() -> None:
+    """A document missing an option the server's claims read, or holding a number as a
+    string, does not read as a task (a worker normalizes or marks it), naming the field."""
+    doc = doc_for()
+    del doc["options"]["concurrency"]
+    with pytest.raises(MalformedTask, match=r"options\.concurrency: missing") as missing:
+        Task.from_document(doc)
+    assert missing.value.field == "options.concurrency"
+    with pytest.raises(MalformedTask, match="failures: must be a number, not a string"):
+        Task.from_document({**doc_for(), "failures": "2"})
+    with pytest.raises(
+        MalformedTask, match=r"claimable_at: a PENDING or RUNNING task needs a date here \(got None\)"
+    ):
+        Task.from_document({**doc_for(), "claimable_at": None})
+
+
+def test_read_gives_a_malformed_document_placeholders_and_its_problem() -> None:
+    """``Task.read`` never fails: the first problem names the field and value, what reads is kept."""
+    task = Task.read({"key": "k", "name": "job", "params": "x", "state": 7, "priority": 4})
+    assert task.problem == "params: Input should be a valid dictionary (got 'x')"
+    assert (task.key, task.name, task.params, task.priority, task.state.value) == (
+        "k",
+        "job",
+        {},
+        4,
+        "PENDING",
+    )
+    assert Task.read(doc_for()).problem is None
+
+
+def test_normalization_adds_only_missing_fields() -> None:
+    """Defaults fill what a hand-written document leaves out; what it gives is kept."""
+    fill, problem = rules.verdict({"key": "k", "name": "job", "options": {"concurrency": 2}}, NOW)
+    assert problem is None and fill["options"]["concurrency"] == 2 and fill["options"]["max_failures"] == 3
+    assert (fill["params"], fill["state"], fill["claimable_at"], fill["created_at"]) == (
+        {},
+        "PENDING",
+        NOW,
+        NOW,
+    )
+    assert rules.verdict(doc_for(), NOW) == ({}, None)
+    _, bad = rules.verdict({"key": "k", "name": "job", "options": None}, NOW)
+    assert bad is not None and bad.field == "options" and "(got None)" in bad.problem
 
 
 def test_redact_hides_credentials() -> None:

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import runs
 
 import taskrunner.worker as worker_module
 from taskrunner import fields as f
@@ -259,13 +260,13 @@ async def test_gap_04_success_needs_concurrency_successes(store: Store) -> None:
     for i, w in enumerate(["w1", "w2", "w3"]):
         claim = await store.claim(w, key="c3")
         assert claim is not None
-        task = await store.succeed("c3", claim.run_id, i)
+        task = await runs.succeed(store, "c3", claim.run_id, i)
         assert task.state is (TaskState.SUCCESS if i == 2 else TaskState.PENDING)
     assert await store.claim("w4", key="c3") is None
 
     claim = await store.claim("w1", key="c1")
     assert claim is not None
-    assert (await store.succeed("c1", claim.run_id)).state is TaskState.SUCCESS
+    assert (await runs.succeed(store, "c1", claim.run_id)).state is TaskState.SUCCESS
     assert await store.claim("w2", key="c1") is None
     assert [(await store.get(k)).successes for k in ("c3", "c1")] == [3, 1]
 
@@ -288,14 +289,14 @@ async def test_gap_06_worker_never_reruns_a_task_it_succeeded(store: Store) -> N
     await store.publish([new("twice", concurrency=2)])
     claim = await store.claim("w1", key="twice")
     assert claim is not None
-    task = await store.succeed("twice", claim.run_id)
+    task = await runs.succeed(store, "twice", claim.run_id)
     assert task.state is TaskState.PENDING
     assert rules.next_claim(task, "w1") is None
     assert await store.claim("w1", key="twice") is None
     assert await store.claim("w1") is None
     other = await store.claim("w2")
     assert other is not None and other.task.key == "twice"
-    assert (await store.succeed("twice", other.run_id)).state is TaskState.SUCCESS
+    assert (await runs.succeed(store, "twice", other.run_id)).state is TaskState.SUCCESS
     assert [w.worker_id for w in (await store.get("twice")).workers] == ["w1", "w2"]
 
 
@@ -327,7 +328,7 @@ async def test_gap_07_free_slot_is_claimable_at_the_earliest_lease_expiry(runner
         # the earliest expiry frees a slot (no later write moves claimable_at).
         left = (dead.entry.expires_at - await store.server_time()).total_seconds()
         await asyncio.sleep(max(0.0, left - 1.0))
-        pinged = await store.ping("k", alive.run_id)
+        pinged = await runs.ping(store, "k", alive.run_id)
         renewed = pinged.entry(alive.run_id)
         assert renewed is not None and renewed.expires_at > dead.entry.expires_at + timedelta(seconds=2)
         assert pinged.claimable_at == dead.entry.expires_at
@@ -495,7 +496,7 @@ async def test_gap_12_update_pending_never_touches_running_task(store: Store) ->
                                     update_pending=True)  # fmt: skip
     assert not pending.created and pending.params == {"v": 2}
     assert await store.count() == 2
-    assert (await store.succeed("run", claim.run_id)).state is TaskState.SUCCESS
+    assert (await runs.succeed(store, "run", claim.run_id)).state is TaskState.SUCCESS
 
 
 async def test_gap_13_shutdown_stops_handlers_and_releases_without_failure(runner: TaskRunner) -> None:

@@ -312,11 +312,45 @@ async def _ids_are(runner: TaskRunner, ids: set[str]) -> bool:
     return await live_workers(runner) == ids
 
 
+# -- documents written by hand -------------------------------------------------------------
+async def test_operators_commands_work_on_a_document_written_by_hand(runner: TaskRunner) -> None:
+    """show, list, cancel, retry and stats exit 0 on documents inserted with pymongo that no
+    model reads (one marked FAIL by normalization, one not yet seen by any worker)."""
+    await mongo(runner).collection.insert_many(
+        [{"key": "hand:bad", "name": "job", "options": None}, {"key": "hand:odd", "name": "job", "state": 42}]
+    )
+    await runner.store.normalize("hand:bad")
+    shown = await ainvoke(runner, "show", "hand:bad", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["error"]["type"] == "MalformedTask", shown.stderr
+    table = await ainvoke(runner, "show", "hand:bad")
+    assert table.exit_code == 0 and "MalformedTask: options" in table.stdout, table.stdout
+    odd = await ainvoke(runner, "show", "hand:odd")
+    assert odd.exit_code == 0 and "unreadable" in odd.stdout and "state" in odd.stdout, odd.stdout
+    listed = await ainvoke(runner, "list", "--json")
+    assert listed.exit_code == 0 and {json.loads(line)["key"] for line in listed.stdout.splitlines()} == {
+        "hand:bad",
+        "hand:odd",
+    }
+    assert (await ainvoke(runner, "stats")).exit_code == 0
+    canceled = await ainvoke(runner, "cancel", "hand:odd")
+    assert canceled.exit_code == 0 and "CANCELED" in canceled.stdout, canceled.stderr
+    retried = await ainvoke(runner, "retry", "hand:bad")
+    assert retried.exit_code == 0 and "PENDING" in retried.stdout, retried.stderr
+
+
 # -- CLI errors -----------------------------------------------------------------------------
 
 KEYED = [["show", "nope"], ["cancel", "nope"], ["retry", "nope"], ["wait", "nope"]]
-EVERY = [*KEYED, ["init"], ["publish", "job"], ["list"], ["purge", "--state", "fail", "--older-than", "1d"],
-         ["stats"], ["workers"], ["stop-worker", "w"]]  # fmt: skip
+EVERY = [
+    *KEYED,
+    ["init"],
+    ["publish", "job"],
+    ["list"],
+    ["purge", "--state", "fail", "--older-than", "1d"],
+    ["stats"],
+    ["workers"],
+    ["stop-worker", "w"],
+]
 
 
 def test_unknown_keys_exit_1_naming_the_key(mongo_uri: str, collection_name: str) -> None:

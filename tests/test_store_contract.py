@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import runs
 from pymongo.errors import WriteError
 
 from taskrunner import (
@@ -17,14 +18,14 @@ from taskrunner import (
     NewTask,
     TaskError,
     TaskNotFound,
+    TaskOptions,
     TaskState,
     rules,
 )
-from taskrunner.errors import ChangeHistoryLost, ClaimLost, ScheduleNotFound
+from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, ScheduleNotFound
 from taskrunner.models import WorkerInfo
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, Failure, RunWrite, Store
+from taskrunner.store.base import ChangeEvent, ChangeStream, Claimed, Failure, RunStatus, RunWrite, Store
 from taskrunner.store.mongo import MongoStore
 
 pytestmark = pytest.mark.mongo
@@ -114,11 +115,11 @@ async def test_concurrency_admits_that_many_distinct_workers(store: Store) -> No
 
 
 async def test_a_worker_claims_a_task_once(store: Store) -> None:
-    """A worker with a live or successful entry cannot claim the task again (gap 6)."""
+    """A worker with a live or successful entry cannot claim the task again."""
     await publish(store, task("twice", options={"concurrency": 2}))
     claim = await store.claim("w1", key="twice")
     assert claim is not None and await store.claim("w1", key="twice") is None
-    await store.succeed("twice", claim.run_id, {"ok": True})
+    await runs.succeed(store, "twice", claim.run_id, {"ok": True})
     assert await store.claim("w1", key="twice") is None
     assert await store.claim("w2", key="twice") is not None
 
@@ -128,12 +129,16 @@ async def test_stale_run_id_changes_nothing_and_reports_a_lost_claim(store: Stor
     await publish(store, task("fence"))
     claim = await store.claim("w1", key="fence")
     assert claim is not None
-    await store.succeed("fence", claim.run_id, 1)
+    await runs.succeed(store, "fence", claim.run_id, 1)
     before = await store.get("fence")
     error = TaskError(type="X", message="late")
-    for write in (store.ping("fence", claim.run_id), store.succeed("fence", claim.run_id, 2),
-                  store.fail("fence", claim.run_id, error), store.release("fence", claim.run_id),
-                  store.ping("fence", "never-issued")):  # fmt: skip
+    for write in (
+        runs.ping(store, "fence", claim.run_id),
+        runs.succeed(store, "fence", claim.run_id, 2),
+        runs.fail(store, "fence", claim.run_id, error),
+        store.release("fence", claim.run_id),
+        runs.ping(store, "fence", "never-issued"),
+    ):
         with pytest.raises(ClaimLost):
             await write
     assert await store.get("fence") == before
@@ -150,7 +155,7 @@ async def test_expired_lease_is_taken_over_and_fences_the_old_run(store: Store, 
     assert new.task.failures == 1  # a lost lease spends the failure budget
     assert new.entry.took_over == ["w1"] and old.entry.took_over == []
     with pytest.raises(ClaimLost):
-        await store.ping("lease", old.run_id)
+        await runs.ping(store, "lease", old.run_id)
 
 
 async def test_ping_extends_the_lease(store: Store, elapse: Elapse) -> None:
@@ -160,13 +165,13 @@ async def test_ping_extends_the_lease(store: Store, elapse: Elapse) -> None:
     assert claim is not None
     for _ in range(5):  # 1.5 s in all; a server run fails only if one step stalls 0.9 s
         await elapse(0.3)
-        pinged = await store.ping("alive", claim.run_id, progress={"done": 0.5})
+        pinged = await runs.ping(store, "alive", claim.run_id, progress={"done": 0.5})
     assert pinged.entry(claim.run_id).progress == {"done": 0.5}  # type: ignore[union-attr]
     assert await store.claim("w2", key="alive") is None
 
 
 async def test_full_slots_are_claimable_at_the_earliest_lease_expiry(store: Store) -> None:
-    """With every slot held, claimable_at is the earliest expiry, not the latest (gap 7)."""
+    """With every slot held, claimable_at is the earliest expiry, not the latest, so a freed slot never idles."""
     await publish(store, task("slots", options={"concurrency": 2}))
     a = await store.claim("w1", key="slots")
     b = await store.claim("w2", key="slots")
@@ -179,14 +184,14 @@ async def test_failure_spends_budget_and_waits_for_backoff(store: Store, elapse:
     await publish(store, task("flaky", options={"max_failures": 2, "retry_backoff": 0.4}))
     first = await store.claim("w1", key="flaky")
     assert first is not None
-    failed = await store.fail("flaky", first.run_id, TaskError(type="ValueError", message="boom"))
+    failed = await runs.fail(store, "flaky", first.run_id, TaskError(type="ValueError", message="boom"))
     assert failed.state is TaskState.PENDING and failed.failures == 1
     assert failed.workers[0].error == TaskError(type="ValueError", message="boom")
     assert await store.claim("w2", key="flaky") is None
     await elapse(0.6)
     second = await store.claim("w2", key="flaky")
     assert second is not None
-    done = await store.fail("flaky", second.run_id, TaskError(type="ValueError", message="again"))
+    done = await runs.fail(store, "flaky", second.run_id, TaskError(type="ValueError", message="again"))
     assert done.state is TaskState.FAIL and done.claimable_at is None
 
 
@@ -195,7 +200,7 @@ async def test_failure_waits_the_delay_the_worker_chose(store: Store) -> None:
     await publish(store, task("later", options={"retry_backoff": 0}))
     claim = await store.claim("w1", key="later")
     assert claim is not None
-    failed = await store.fail("later", claim.run_id, TaskError(type="E", message="m"), retry_in=120)
+    failed = await runs.fail(store, "later", claim.run_id, TaskError(type="E", message="m"), retry_in=120)
     finished_at = failed.workers[0].finished_at
     assert failed.state is TaskState.PENDING and failed.failures == 1 and finished_at is not None
     assert failed.run_at == failed.claimable_at
@@ -209,13 +214,30 @@ async def test_final_failure_ends_the_task_without_spending_budget(store: Store)
     await publish(store, task("doomed", options={"max_failures": 5}))
     claim = await store.claim("w1", key="doomed")
     assert claim is not None
-    failed = await store.fail("doomed", claim.run_id, TaskError(type="Fail", message="no"), final=True)
+    failed = await runs.fail(store, "doomed", claim.run_id, TaskError(type="Fail", message="no"), final=True)
     assert failed.state is TaskState.FAIL and failed.fatal and failed.failures == 0
     assert failed.claimable_at is None and failed.finished_at is not None
     assert await store.claim("w2", key="doomed") is None
     again = await store.retry("doomed")
     assert again.state is TaskState.PENDING and not again.fatal
     assert await store.claim("w2", key="doomed") is not None
+
+
+async def test_retry_waits_until_a_canceled_run_has_stopped(store: Store) -> None:
+    """Retrying a canceled task whose run still holds its lease raises InvalidState naming the
+    state and the worker; once that run gives its claim back, retry makes it PENDING."""
+    await publish(store, task("stopping"))
+    claim = await store.claim("w1", key="stopping")
+    assert claim is not None
+    await store.cancel("stopping")
+    with pytest.raises(InvalidState, match="it is CANCELED; its run on w1 is still stopping"):
+        await store.retry("stopping")
+    assert (await store.get("stopping")).state is TaskState.CANCELED
+    [status] = await store.write_runs([RunWrite("ping", "stopping", claim.run_id, "w1")])
+    assert status is RunStatus.CANCELED  # the old run learns of the cancel and stops
+    await store.release("stopping", claim.run_id)
+    retried = await store.retry("stopping")
+    assert retried.state is TaskState.PENDING and retried.workers == []
 
 
 async def test_snooze_reschedules_without_a_failure(store: Store) -> None:
@@ -248,8 +270,8 @@ async def test_success_needs_concurrency_distinct_workers(store: Store) -> None:
     await publish(store, task("pair", options={"concurrency": 2}))
     a, b = await store.claim("w1", key="pair"), await store.claim("w2", key="pair")
     assert a is not None and b is not None
-    assert (await store.succeed("pair", a.run_id, "a")).state is TaskState.RUNNING
-    assert (await store.succeed("pair", b.run_id, "b")).state is TaskState.SUCCESS
+    assert (await runs.succeed(store, "pair", a.run_id, "a")).state is TaskState.RUNNING
+    assert (await runs.succeed(store, "pair", b.run_id, "b")).state is TaskState.SUCCESS
 
 
 async def test_claim_respects_worker_ids_run_at_and_priority(store: Store) -> None:
@@ -283,7 +305,7 @@ async def test_update_pending_and_republish_finished(store: Store) -> None:
     assert claim is not None
     [running] = await publish(store, task("u", params={"v": 3}), update_pending=True)
     assert running.params == {"v": 2}
-    await store.succeed("u", claim.run_id)
+    await runs.succeed(store, "u", claim.run_id)
     [again] = await publish(store, task("u", params={"v": 4}), republish_finished=True)
     assert again.created and again.state is TaskState.PENDING and again.workers == []
     assert again.params == {"v": 4} and await store.count() == 1
@@ -308,12 +330,29 @@ async def test_malformed_documents_are_never_claimed(
 ) -> None:
     """Null, missing and wrong-typed claim fields never match (MongoDB's type bracketing)."""
     past = datetime.now(UTC) - timedelta(hours=1)
-    base: dict[str, Any] = {"key": "bad", "name": "job", "params": {}, "priority": 0, "created_at": past,
-                            "updated_at": past, "run_at": past, "claimable_at": past, "state": "PENDING",
-                            "failures": 0, "attempts": 0, "workers": [],
-                            "options": {"concurrency": 1, "max_failures": 3, "local_retries": 0,
-                                        "retry_backoff": 1, "ping_interval": 1, "ping_timeout": 5,
-                                        "worker_ids": []}}  # fmt: skip
+    base: dict[str, Any] = {
+        "key": "bad",
+        "name": "job",
+        "params": {},
+        "priority": 0,
+        "created_at": past,
+        "updated_at": past,
+        "run_at": past,
+        "claimable_at": past,
+        "state": "PENDING",
+        "failures": 0,
+        "attempts": 0,
+        "workers": [],
+        "options": {
+            "concurrency": 1,
+            "max_failures": 3,
+            "local_retries": 0,
+            "retry_backoff": 1,
+            "ping_interval": 1,
+            "ping_timeout": 5,
+            "worker_ids": [],
+        },
+    }
     base.update(doc)
     if base["claimable_at"] == "MISSING":
         del base["claimable_at"]
@@ -321,11 +360,130 @@ async def test_malformed_documents_are_never_claimed(
     assert await store.claim("w1") is None
 
 
-async def test_get_of_a_malformed_document_names_the_problem(store: Store, raw_insert: Raw) -> None:
-    """Reading a hand-broken document raises MalformedTask naming the field."""
-    await raw_insert({"key": "broken", "name": "job", "params": "nope"})
-    with pytest.raises(MalformedTask, match="params"):
-        await store.get("broken")
+async def test_reads_of_a_malformed_document_carry_its_problem(store: Store, raw_insert: Raw) -> None:
+    """get and find read a hand-broken document with ``problem`` naming the field and value,
+    placeholders for what does not read; cancel and stats work on such documents."""
+    await raw_insert({"key": "broken", "name": "job", "params": "nope", "state": 42})
+    task = await store.get("broken")
+    assert task.problem is not None and "params" in task.problem and "'nope'" in task.problem
+    assert (task.key, task.name, task.params, task.state) == ("broken", "job", {}, TaskState.PENDING)
+    assert [t.key for t in await store.find()] == ["broken"]
+    canceled = await store.cancel("broken")
+    assert canceled.state is TaskState.CANCELED and canceled.problem is not None
+    await raw_insert({"key": "bare", "name": "job", "state": "PENDING", "created_at": "yesterday"})
+    stats = await store.stats()
+    assert stats.counts == {"job": {"CANCELED": 1, "PENDING": 1}} and stats.oldest_pending_seconds is None
+
+
+MINIMAL = {"key": "by-hand", "name": "job", "params": {"n": 1}}
+
+
+async def test_a_minimal_document_is_normalized_once_and_then_claimable(
+    store: Store, raw_insert: Raw
+) -> None:
+    """``{key, name, params}`` reaches the sweep as unreadable; ``normalize`` gives it every
+    default in server time (claimable_at = run_at) in one write, a second call writes
+    nothing, and the task is then claimed like a published one."""
+    await raw_insert(dict(MINIMAL))
+    before = await store.server_time()
+    page = await store.due("w1", ["other"], horizon=before + timedelta(seconds=60))
+    assert [u.key for u in page.unreadable] == ["by-hand"] and page.tasks == []
+    task = await store.normalize("by-hand")
+    assert task.problem is None and task.state is TaskState.PENDING and task.params == {"n": 1}
+    assert task.options == TaskOptions() and (task.priority, task.failures, task.workers) == (0, 0, [])
+    assert task.claimable_at == task.run_at == task.created_at and task.created_at >= before - timedelta(
+        seconds=1
+    )
+    assert await store.normalize("by-hand") == task
+    page = await store.due("w1", ["other"], horizon=before + timedelta(seconds=60))
+    assert page.unreadable == []
+    claim = await store.claim("w1", key="by-hand")
+    assert claim is not None and claim.task.state is TaskState.RUNNING
+
+
+async def test_normalize_fills_only_what_is_missing(store: Store, raw_insert: Raw) -> None:
+    """Given fields and options are kept as written; missing options get their defaults
+    (``retry_backoff`` alone means a fixed backoff, as when publishing)."""
+    run_at = datetime(2030, 1, 1, tzinfo=UTC)
+    await raw_insert(
+        {**MINIMAL, "priority": 5, "run_at": run_at, "options": {"concurrency": 2, "retry_backoff": 7}}
+    )
+    task = await store.normalize("by-hand")
+    assert task.problem is None and task.priority == 5 and task.run_at == task.claimable_at == run_at
+    options = task.options
+    assert (options.concurrency, options.retry_backoff, options.backoff, options.max_failures) == (
+        2,
+        7,
+        "fixed",
+        3,
+    )
+
+
+async def test_racing_normalizations_agree(store: Store, raw_insert: Raw) -> None:
+    """Two workers normalizing the same document at once leave one consistent task."""
+    await raw_insert(dict(MINIMAL))
+    a, b = await asyncio.gather(store.normalize("by-hand"), store.normalize("by-hand"))
+    assert a.problem is None and b.problem is None
+    assert a.created_at == b.created_at and a.claimable_at == b.claimable_at
+
+
+UNREADABLE = [
+    ({"state": 42}, "state", "42"),
+    ({"state": "PENDING", "claimable_at": "now"}, "claimable_at", "'now'"),
+    ({"options": None}, "options", "None"),
+    ({"params": ["a"]}, "params", "['a']"),
+    ({"options": {"concurrency": 0}}, "options.concurrency", "0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field", "value"), UNREADABLE)
+async def test_a_document_that_still_does_not_read_is_marked_fail(
+    store: Store, raw_insert: Raw, fields: dict[str, Any], field: str, value: str
+) -> None:
+    """Wrong-typed fields are marked in the document: FAIL, fatal, its own error (type
+    MalformedTask, naming the field and value); list and stats see it, sweeps no longer
+    return it, and a second normalize changes nothing."""
+    await raw_insert({**MINIMAL, **fields})
+    task = await store.normalize("by-hand")
+    assert task.state is TaskState.FAIL and task.fatal and task.error is not None
+    assert task.error.type == "MalformedTask" and task.error.message.startswith(f"{field}: ")
+    assert value in task.error.message and task.last_error == task.error
+    assert [t.state for t in await store.find(state=TaskState.FAIL)] == [TaskState.FAIL]
+    assert (await store.stats()).counts == {"job": {"FAIL": 1}}
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
+    assert page.unreadable == [] and page.tasks == []
+    assert await store.normalize("by-hand") == task
+
+
+async def test_a_marked_document_fixed_by_hand_runs_after_retry(store: Store, raw_insert: Raw) -> None:
+    """Retrying a marked document sends it back to the sweep: still broken, it is marked
+    again; fixed by hand, it is normalized and claimed. Purge removes a marked one."""
+    await raw_insert({**MINIMAL, "params": "oops"})
+    await store.normalize("by-hand")
+    retried = await store.retry("by-hand")
+    assert retried.state is TaskState.PENDING and retried.error is None and retried.claimable_at is None
+    now = await store.server_time()
+    page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
+    assert [u.key for u in page.unreadable] == ["by-hand"]
+    assert (await store.normalize("by-hand")).state is TaskState.FAIL
+    await store.retry("by-hand")
+    await _set_by_hand(store, "by-hand", {"params": {"fixed": True}})
+    assert (await store.normalize("by-hand")).state is TaskState.PENDING
+    claim = await store.claim("w1", key="by-hand")
+    assert claim is not None and claim.task.params == {"fixed": True}
+    await raw_insert({**MINIMAL, "key": "doomed", "options": None})
+    await store.normalize("doomed")
+    await asyncio.sleep(0.01)  # finished before the purge's cutoff
+    assert await store.purge([TaskState.FAIL], older_than=0) == 1
+
+
+async def _set_by_hand(store: Store, key: str, changes: dict[str, Any]) -> None:
+    if isinstance(store, MemoryStore):
+        store.insert_document({**store.document(key), **changes})
+    else:
+        assert isinstance(store, MongoStore)
+        await store.collection.update_one({"key": key}, {"$set": changes})
 
 
 async def test_a_scan_names_unreadable_documents_and_pages_past_them(store: Store, raw_insert: Raw) -> None:
@@ -366,7 +524,7 @@ async def test_watch_delivers_changes_and_resumes_from_a_token(store: Store) -> 
     assert claim is not None
     [second] = await next_events(stream, 1)
     await stream.close()
-    await store.succeed("w", claim.run_id, 42)
+    await runs.succeed(store, "w", claim.run_id, 42)
     await publish(store, task("w2"))
     resumed = await store.watch(resume_after=first.token)
     events = await next_events(resumed, 3)
@@ -410,11 +568,11 @@ async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_
     inserts = await next_events(stream, 2)
     claim = await store.claim("w1", key="a")
     assert claim is not None
-    await store.ping("a", claim.run_id)
-    await store.fail("a", claim.run_id, TaskError(type="E", message="once"))  # budget left: wakes
+    await runs.ping(store, "a", claim.run_id)
+    await runs.fail(store, "a", claim.run_id, TaskError(type="E", message="once"))  # budget left: wakes
     second = await store.claim("w1", key="b")
     assert second is not None
-    await store.succeed("b", second.run_id, 1)
+    await runs.succeed(store, "b", second.run_id, 1)
     [wake] = await next_events(stream, 1)
     assert await stream.next(0.3) is None
     await stream.close()
@@ -448,7 +606,7 @@ async def test_a_release_and_a_retry_wake_a_workers_stream(store: Store) -> None
     assert claim is not None and failed is not None
     stream = await store.watch(work_for=["job"])
     await store.release("r", claim.run_id)
-    await store.fail("f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
+    await runs.fail(store, "f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
     await store.retry("f")
     events = await next_events(stream, 2)
     assert await stream.next(0.3) is None
@@ -466,7 +624,7 @@ async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store
     claim = await store.claim("w1", key="mine")
     done = await store.claim("w2", key="done")
     assert claim is not None and done is not None
-    await store.succeed("done", done.run_id)
+    await runs.succeed(store, "done", done.run_id)
     now = await store.server_time()
     page = await store.due("w1", ["job"], horizon=now + timedelta(seconds=60))
     assert [t.key for t in page.tasks] == ["old", "later"] and page.after is None
@@ -511,12 +669,14 @@ async def test_validator_accepts_every_write_taskrunner_makes(store: Store) -> N
     await publish(store, task("v", options={"concurrency": 2, "retry_backoff": 0}))
     first, second = await store.claim("w1"), await store.claim("w2")
     assert first is not None and second is not None
-    await store.ping("v", first.run_id, progress={"p": 1})
-    await store.fail("v", first.run_id, TaskError(type="E", message="m", traceback="tb"))
+    await runs.ping(store, "v", first.run_id, progress={"p": 1})
+    await runs.fail(store, "v", first.run_id, TaskError(type="E", message="m", traceback="tb"))
     await store.release("v", second.run_id)
     third = await store.claim("w1")
     assert third is not None
-    assert (await store.succeed("v", third.run_id, {"r": 1})).state is TaskState.PENDING  # 1 of 2 successes
+    assert (
+        await runs.succeed(store, "v", third.run_id, {"r": 1})
+    ).state is TaskState.PENDING  # 1 of 2 successes
     with pytest.raises(WriteError, match=r"[Vv]alidation"):
         await store.collection.insert_one({"key": "broken"})
 
@@ -542,10 +702,23 @@ async def test_claiming_an_unreadable_document_records_a_failure(store: Store, r
     """A claimable document that cannot be read fails at once (MalformedTask, ``fatal``), with
     budget left, instead of looping; its failure count is not touched."""
     past = datetime.now(UTC) - timedelta(hours=1)
-    await raw_insert({"key": "odd", "name": "job", "params": "not-an-object", "priority": "high",
-                      "created_at": past, "updated_at": past, "run_at": past, "claimable_at": past,
-                      "state": "PENDING", "failures": 0, "attempts": 0, "workers": [],
-                      "options": {"concurrency": 1, "max_failures": 3, "ping_timeout": 5, "worker_ids": []}})  # fmt: skip
+    await raw_insert(
+        {
+            "key": "odd",
+            "name": "job",
+            "params": "not-an-object",
+            "priority": "high",
+            "created_at": past,
+            "updated_at": past,
+            "run_at": past,
+            "claimable_at": past,
+            "state": "PENDING",
+            "failures": 0,
+            "attempts": 0,
+            "workers": [],
+            "options": {"concurrency": 1, "max_failures": 3, "ping_timeout": 5, "worker_ids": []},
+        }
+    )
     with pytest.raises(MalformedTask, match="params"):
         await store.claim("w1")
     assert await store.claim("w2") is None
@@ -557,7 +730,7 @@ async def test_claiming_an_unreadable_document_records_a_failure(store: Store, r
 
 async def _raw_docs(store: Store) -> AsyncIterator[dict[str, Any]]:
     if isinstance(store, MemoryStore):
-        for doc in store._docs.values():
+        for doc in store.documents():
             yield doc
     else:
         assert isinstance(store, MongoStore)
@@ -605,13 +778,12 @@ async def test_claim_many_records_a_malformed_document_as_its_failure(store: Sto
     )
     claimed = await store.claim_many("w1", ["fine", "bad"])
     assert [c.task.key for c in claimed.claims] == ["fine"]
-    [rejected] = claimed.rejected
-    assert rejected.key == "bad" and "name" in str(rejected)
+    assert [(problem.key, problem.field) for problem in claimed.rejected] == [("bad", "name")]
+    bad = await store.get("bad")
+    assert bad.state is TaskState.FAIL and bad.fatal and [e.type for e in bad.errors] == ["MalformedTask"]
+    assert (await store.claim_many("w2", ["bad"])) == Claimed([], [])
     [doc] = [d async for d in _raw_docs(store) if d["key"] == "bad"]
-    assert (doc["state"], doc["failures"], doc["attempts"], doc["fatal"]) == ("FAIL", 0, 1, True)
-    assert [w["error"]["type"] for w in doc["workers"]] == ["MalformedTask"]
-    again = await store.claim_many("w2", ["bad"])
-    assert (again.claims, again.rejected) == ([], [])  # recorded once: it cannot loop
+    assert (doc["failures"], doc["attempts"]) == (0, 1)
 
 
 async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(store: Store) -> None:
@@ -621,15 +793,20 @@ async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(
     assert len(claims) == 5
     await store.release("r1", claims["r1"].run_id)  # r1: no longer owned
     await store.cancel("r2")
-    await store.succeed("r4", claims["r4"].run_id, "first")  # r4: outcome already written
+    await runs.succeed(store, "r4", claims["r4"].run_id, "first")  # r4: outcome already written
 
     def write(kind: Any, key: str, value: Any = None) -> RunWrite:
         return RunWrite(kind, key, claims[key].run_id, "w1", value)
 
-    results = await store.write_runs([
-        write("ping", "r0", {"p": 1}), write("ping", "r1"), write("ping", "r2"),
-        write("success", "r3", 42), write("failure", "r1", Failure(TaskError(type="X", message="m"))),
-    ])  # fmt: skip
+    results = await store.write_runs(
+        [
+            write("ping", "r0", {"p": 1}),
+            write("ping", "r1"),
+            write("ping", "r2"),
+            write("success", "r3", 42),
+            write("failure", "r1", Failure(TaskError(type="X", message="m"))),
+        ]
+    )
     assert results == [RunStatus.DONE, RunStatus.LOST, RunStatus.CANCELED, RunStatus.DONE, RunStatus.LOST]
     # A retried outcome whose first try landed reports DONE and changes nothing.
     assert await store.write_runs([write("success", "r4", "again")]) == [RunStatus.DONE]
@@ -650,17 +827,13 @@ async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(
     assert claim is not None
     ping = RunWrite("ping", "pinned", claim.run_id, "w1")
     assert await store.write_runs([ping]) == [RunStatus.DONE]
-    # By hand, as from the mongo shell: publishing cannot change a running task's options.
-    if isinstance(store, MongoStore):
-        await store.collection.update_one({"key": "pinned"}, {"$set": {"options.worker_ids": ["w9"]}})
-    else:
-        doc = (await store.get("pinned")).model_dump(by_alias=True)
-        await raw_insert({**doc, "options": {**doc["options"], "worker_ids": ["w9"]}})  # replaces it
-    before = await store.get("pinned")
-    assert before.options.worker_ids == ["w9"]
+    options = (await store.get("pinned")).options.model_dump()
+    await _set_by_hand(store, "pinned", {"options": {**options, "worker_ids": ["w9"]}})
+    assert (await store.get("pinned")).options.worker_ids == ["w9"]
+    before = (await store.get("pinned")).entry(claim.run_id)
     await elapse(0.1)  # a renewal that landed would move ping_at
     assert await store.write_runs([ping]) == [RunStatus.NOT_ALLOWED]
-    assert await store.get("pinned") == before
+    assert (await store.get("pinned")).entry(claim.run_id) == before  # the lease was not renewed
     assert await store.write_runs([]) == []
 
 
@@ -669,8 +842,20 @@ async def test_a_declared_schedule_keeps_its_state_and_records_ticks_once(store:
     """Declaring again updates the definition but keeps paused and last_tick; a tick is recorded only over the tick read."""
 
     def spec(cron: str) -> Any:
-        return declare(name="report", schedule_id="r", cron=cron, every=None, timezone="Europe/Paris", params={},
-                       priority=0, options={}, catch_up="latest", max_catch_up=10, jitter=None, grace=5)  # fmt: skip
+        return declare(
+            name="report",
+            schedule_id="r",
+            cron=cron,
+            every=None,
+            timezone="Europe/Paris",
+            params={},
+            priority=0,
+            options={},
+            catch_up="latest",
+            max_catch_up=10,
+            jitter=None,
+            grace=5,
+        )
 
     now = await store.server_time()
     await store.declare_schedule(spec("*/5 * * * *"), now)

@@ -357,8 +357,10 @@ async def test_bad_input_never_stops_a_worker(
         unknown = await runner.get("unknown")
         async with AsyncMongoClient[Doc](mongo_uri, tz_aware=True) as client:
             collection = client.taskrunner[collection_name]
-            untouched = await collection.find_one({"key": "malformed-1"})
-            rejected = await collection.find_one({"key": "malformed-2"})
+            rejected = await wait_for(
+                lambda: collection.find_one({"key": "malformed-2", "state": "FAIL"}), 30, "a mark"
+            )
+        [by_hand] = await wait_for(lambda: finished(runner, "malformed-1"), 30, "the hand-written task")
     assert after.state is TaskState.SUCCESS and after.workers[0].worker_id == "tough"
     assert (unknown.state, unknown.workers, unknown.attempts) == (TaskState.PENDING, [], 0)
     errors = {t.key: t.workers[0].error for t in failed}
@@ -369,20 +371,19 @@ async def test_bad_input_never_stops_a_worker(
     assert errors["interrupt"] is not None and errors["interrupt"].type == "KeyboardInterrupt"
     assert errors["interrupt-sync"] is not None and errors["interrupt-sync"].type == "KeyboardInterrupt"
     assert not pool.marks(key="bad-params")  # invalid params never reach the handler
-    # Unreadable documents: one is never claimed; the claimable one ends FAIL at once instead of running.
-    assert untouched is not None and "workers" not in untouched
-    assert rejected is not None and [(w["state"], w["error"]["type"]) for w in rejected["workers"]] == [
-        ("FAIL", "MalformedTask")
-    ]
-    assert rejected["fatal"] is True and rejected["state"] == "FAIL" and not pool.marks(key="malformed-2")
-    assert worker.find("claimed an unreadable task; recorded as its failure")
+    # Hand-written documents: the minimal one gets its defaults and runs; the unreadable one
+    # is marked FAIL in the document itself, naming the field, and never runs.
+    assert by_hand.state is TaskState.SUCCESS and pool.marks(key="malformed-1")
+    assert rejected["workers"] == [] and rejected["error"]["type"] == "MalformedTask"
+    assert rejected["error"]["message"].startswith("params") and rejected["fatal"] is True
+    assert not pool.marks(key="malformed-2")
     assert not [
         e for e in worker.logs() if e.get("event") in ("side task crashed; restarting", "run crashed")
     ]
 
 
 def _malformed_documents() -> list[Doc]:
-    """A document missing nearly everything, and one the claim filter accepts but no model reads."""
+    """A document holding only key, name and state, and one the claim filter accepts but no model reads."""
     now = datetime.now(UTC)
     claimable = rules.new_document(NewTask(key="malformed-2", name="quick"), publish_id="by-hand")
     claimable.update({"created_at": now, "updated_at": now, "run_at": now, "claimable_at": now,

@@ -130,6 +130,11 @@ def task_summary(task: Task) -> Table:
         ("params", spaced_json(task.params)),
         ("options", spaced_json(task.options.model_dump(mode="json"))),
     ]
+    # A document written by hand: why no worker runs it (marked), or what does not read.
+    if task.error is not None:
+        rows.append(("error", f"{task.error.type}: {task.error.message}"))
+    if task.problem is not None:
+        rows.append(("unreadable", task.problem))
     for label, value in rows:
         summary.add_row(Text(label, style="bold"), text(value))
     return summary

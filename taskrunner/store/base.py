@@ -8,6 +8,7 @@ token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.limits import LimitState
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 
 Window = tuple[datetime, datetime]
@@ -71,6 +71,16 @@ class RunWrite:
     run_id: str
     worker_id: str
     value: Any = None
+
+
+class RunStatus(enum.Enum):
+    """What a fenced write for one run found (see ``Store.write_runs``)."""
+
+    DONE = "done"
+    LOST = "lost"  # no RUNNING entry of this run any more: another worker owns the task
+    CANCELED = "canceled"  # renewal refused: the task was canceled
+    NOT_ALLOWED = "not allowed"  # renewal refused: worker_ids no longer name this worker
+    UNCONFIRMED = "unconfirmed"  # still owned, but this renewal cannot be shown to have landed
 
 
 RunResult = RunStatus | StoreError
@@ -139,8 +149,8 @@ def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
 
 
 class ChangeStream(Protocol):
-    """An open stream of change events. Open it before scanning, so nothing written
-    during the scan is missed (the seed's discovery order)."""
+    """An open stream of change events. Open it before scanning: then nothing written
+    during the scan is missed (a write lands either before the scan reads or in the stream)."""
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
@@ -171,7 +181,8 @@ class Store(Protocol):
         """Insert tasks whose key is new; see docs/publishing.md for the options."""
 
     async def get(self, key: str) -> Task:
-        """The task with ``key``; raises ``TaskNotFound``."""
+        """The task with ``key`` (``Task.read``: a malformed document reads with its
+        ``problem``); raises ``TaskNotFound``."""
 
     async def find(
         self,
@@ -181,7 +192,7 @@ class Store(Protocol):
         worker_id: str | None = None,
         limit: int = 0,
     ) -> list[Task]:
-        """Tasks by state, name and worker (any entry), oldest first; malformed ones skipped."""
+        """Tasks by state, name and worker (any entry), oldest first; malformed ones as ``Task.read`` reads them."""
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
 
@@ -196,7 +207,17 @@ class Store(Protocol):
         tasks nobody claimed, retries and expired leases (takeovers) without following
         anyone's renewals; ``after`` of the page is None unless ``limit`` was reached.
         Expired leases come first: RUNNING tasks, then PENDING ones, at most ``limit`` of
-        each, so a takeover never waits behind a backlog of new tasks."""
+        each, so a takeover never waits behind a backlog of new tasks. Then at most
+        ``limit`` documents of any name that need ``normalize`` (``rules.unsettled``: no
+        valid state, or unfinished without a claimable_at date), as unreadable ones."""
+
+    async def normalize(self, key: str) -> Task:
+        """Give a document written by hand or by another language the fields it lacks
+        (``rules.normalization``: defaults, times in server time) in one write that sets
+        only fields still missing when it lands, so racing workers agree. If it still does
+        not read, mark it instead: FAIL, ``fatal`` and its own ``error`` (``MalformedTask``,
+        naming the field and value). Returns the task as stored (``Task.read``: its
+        ``problem`` set when it does not read); raises ``TaskNotFound``."""
 
     async def claim(
         self,
@@ -239,16 +260,6 @@ class Store(Protocol):
         entry but this renewal cannot be shown to have landed; renew again.
         Raises ``StoreError`` when the whole batch failed (e.g. the server is away)."""
 
-    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        """Extend the run's lease to server now + ping_timeout."""
-
-    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task: ...
-
-    async def fail(
-        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
-    ) -> Task:
-        """Record the run's failure (see ``Failure``)."""
-
     async def release(self, key: str, run_id: str) -> Task:
         """Give the claim back without spending the failure budget."""
 
@@ -260,7 +271,9 @@ class Store(Protocol):
         """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
 
     async def retry(self, key: str) -> Task:
-        """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
+        """Make a FAIL or CANCELED task claimable again with a fresh failure budget;
+        ``InvalidState`` for other states and while a run still holds a live lease (a
+        cancel still pending). A document marked unreadable goes back to ``normalize``."""
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
         """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""

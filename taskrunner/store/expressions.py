@@ -14,8 +14,9 @@ from datetime import datetime
 from typing import Any
 
 from taskrunner import fields as f
+from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
-from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED
+from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE, STAMPED, STATES, marked_error
 
 Expr = Any
 NOW = "$$NOW"
@@ -91,28 +92,39 @@ def summary_stages() -> list[Expr]:
     state = {
         "$switch": {
             "branches": [
-                {"case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]}, "then": TaskState.CANCELED.value},
+                {
+                    "case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]},
+                    "then": TaskState.CANCELED.value,
+                },
                 {"case": {"$eq": [f.ref(f.FATAL), True]}, "then": TaskState.FAIL.value},
-                {"case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
-                 "then": TaskState.SUCCESS.value},
+                {
+                    "case": {"$or": [_not(_is_number(f.opt(f.CONCURRENCY))), {"$gte": [succ, CONCURRENCY]}]},
+                    "then": TaskState.SUCCESS.value,
+                },
                 {"case": {"$gt": [count(IS_RUNNING), 0]}, "then": TaskState.RUNNING.value},
-                {"case": {"$or": [_not(_is_number(f.opt(f.MAX_FAILURES))),
-                                  {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]}]},
-                 "then": TaskState.FAIL.value},
+                {
+                    "case": {
+                        "$or": [
+                            _not(_is_number(f.opt(f.MAX_FAILURES))),
+                            {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]},
+                        ]
+                    },
+                    "then": TaskState.FAIL.value,
+                },
             ],
             "default": TaskState.PENDING.value,
         }
-    }  # fmt: skip
+    }
     claimable_at = {
         "$switch": {
             "branches": [
                 {"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": "$$REMOVE"},
                 {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": f.ref(f.RUN_AT)},
             ],
-            # Slots are full: the earliest lease expiry frees one (mscheduler gap 7).
+            # Slots are full: a slot frees when the earliest live lease expires.
             "default": {"$max": [f.ref(f.RUN_AT), earliest(f"{live}.{f.EXPIRES_AT}")]},
         }
-    }  # fmt: skip
+    }
     return [
         {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(IS_LIVE)}},
         {"$set": {f.STATE: state, f.UPDATED_AT: NOW}},
@@ -136,8 +148,12 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
             {"$lt": [{"$add": [succ, live]}, CONCURRENCY]},
         ]
     }
-    counts = {"live": count(IS_LIVE), "expired": count(IS_EXPIRED), "succ": count(IS_SUCCESS),
-              "mine": count(mine_active)}  # fmt: skip
+    counts = {
+        "live": count(IS_LIVE),
+        "expired": count(IS_EXPIRED),
+        "succ": count(IS_SUCCESS),
+        "mine": count(mine_active),
+    }
     check = {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}}
     return _due_for(worker_id, {"$in": list(ACTIVE)}, {"$type": "array"}, check)
 
@@ -174,21 +190,10 @@ def reapable(live: Expr, expired: Expr) -> Expr:
 
 
 def new_entry(worker_id: str, run_id: str | Expr, attempt: Expr, took_over: Expr) -> dict[str, Expr]:
-    """The RUNNING entry a claim appends."""
-    return {
-        f.WORKER_ID: {"$literal": worker_id},
-        f.RUN_ID: {"$literal": run_id} if isinstance(run_id, str) else run_id,
-        f.STATE: EntryState.RUNNING.value,
-        f.CLAIMED_AT: NOW,
-        f.PING_AT: NOW,
-        f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT)),
-        f.ATTEMPT: attempt,
-        f.PROGRESS: None,
-        f.RESULT: None,
-        f.ERROR: None,
-        f.FINISHED_AT: None,
-        f.TOOK_OVER: took_over,
-    }
+    """The RUNNING entry a claim appends (``rules.new_entry``), stamped in server time."""
+    run = {"$literal": run_id} if isinstance(run_id, str) else run_id
+    expires_at = after_now(f.opt(f.PING_TIMEOUT))
+    return rules.new_entry({"$literal": worker_id}, run, NOW, expires_at, attempt, took_over)
 
 
 def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
@@ -208,8 +213,14 @@ def fresh_claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     claimable_at = {
         "$cond": [one_slot_left, f.ref(f.RUN_AT), {"$max": [f.ref(f.RUN_AT), entry[f.EXPIRES_AT]]}]
     }
-    changes = {f.ATTEMPTS: attempts, f.WORKERS: [entry], f.STATE: TaskState.RUNNING.value, f.UPDATED_AT: NOW,
-               f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: "$$REMOVE"}  # fmt: skip
+    changes = {
+        f.ATTEMPTS: attempts,
+        f.WORKERS: [entry],
+        f.STATE: TaskState.RUNNING.value,
+        f.UPDATED_AT: NOW,
+        f.CLAIMABLE_AT: claimable_at,
+        f.FINISHED_AT: "$$REMOVE",
+    }
     return [{"$set": changes}]
 
 
@@ -230,12 +241,20 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     return [
         {"$set": {"_tr_exp": entries(IS_EXPIRED), "_tr_nlive": count(IS_LIVE)}},
         {"$set": {"_tr_reap": reapable("$_tr_nlive", {"$size": expired})}},
-        {"$set": {f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
-                  f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]}}},
-        {"$set": {f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}}},
+        {
+            "$set": {
+                f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
+                f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]},
+            }
+        },
+        {
+            "$set": {
+                f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}
+            }
+        },
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
         *summary_stages(),
-    ]  # fmt: skip
+    ]
 
 
 def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
@@ -266,14 +285,19 @@ def due_pipeline(
     """The sweep as one aggregate: RUNNING tasks (expired leases: takeovers) first, then
     PENDING ones, each the earliest ``limit`` by ``claimable_at`` through the claim index.
     Two ranges instead of one sort on claimable_at, because a takeover's claimable_at (its
-    lease expiry) is later than a whole backlog's: it would wait until the backlog drained."""
+    lease expiry) is later than a whole backlog's: it would wait until the backlog drained.
+    Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
+    the worker normalizes."""
 
     def branch(state: str) -> list[dict[str, Any]]:
         match = due_filter(worker_id, names, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
     pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
-    return [*branch(TaskState.RUNNING.value), pending]
+    unsettled = {
+        "$unionWith": {"coll": collection, "pipeline": [{"$match": unsettled_filter()}, {"$limit": limit}]}
+    }
+    return [*branch(TaskState.RUNNING.value), pending, unsettled]
 
 
 def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
@@ -286,9 +310,9 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     workers never reach it, nor do other workers' new tasks. ``rules.hears_insert`` is
     the same judgement in Python.
     """
-    changed = "updateDescription.updatedFields"
-    new = {"operationType": {"$in": ["insert", "replace"]}}
-    name, bucket = f"fullDocument.{f.NAME}", f"fullDocument.{f.BUCKET}"
+    changed = f"{f.UPDATE_DESCRIPTION}.{f.UPDATED_FIELDS}"
+    new = {f.OPERATION_TYPE: {"$in": ["insert", "replace"]}}
+    name, bucket = f"{f.FULL_DOCUMENT}.{f.NAME}", f"{f.FULL_DOCUMENT}.{f.BUCKET}"
     # A name that is not a string belongs to no worker, a bucket out of range to none:
     # every worker hears of those (and names the problem, or claims what it may).
     inserts: list[dict[str, Any]] = [{**new, name: {"$not": {"$type": "string"}}}]
@@ -301,9 +325,9 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     return {
         "$or": [
             *inserts,
-            {"operationType": "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
+            {f.OPERATION_TYPE: "update", f"{changed}.{f.STATE}": TaskState.PENDING.value},
             {
-                "operationType": "update",
+                f.OPERATION_TYPE: "update",
                 f"{changed}.{f.RUN_AT}": {"$exists": True},
                 f"{changed}.{f.STATE}": {"$nin": list(FINISHED)},
             },
@@ -375,11 +399,18 @@ def quick_success(key: str, run_id: str, result: Any) -> tuple[dict[str, Any], d
     run = "run"
     query = {**entry_filter(key, run_id), f.STATE: TaskState.RUNNING.value, f.opt(f.CONCURRENCY): 1}
     update = {
-        "$set": {f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
-                 f"{f.WORKERS}.$[{run}].{f.RESULT}": result, f.STATE: TaskState.SUCCESS.value},
-        "$currentDate": {f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}": True, f.FINISHED_AT: True, f.UPDATED_AT: True},
+        "$set": {
+            f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
+            f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
+            f.STATE: TaskState.SUCCESS.value,
+        },
+        "$currentDate": {
+            f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}": True,
+            f.FINISHED_AT: True,
+            f.UPDATED_AT: True,
+        },
         "$unset": {f.CLAIMABLE_AT: ""},
-    }  # fmt: skip
+    }
     return query, update, [{f"{run}.{f.RUN_ID}": run_id}]
 
 
@@ -475,10 +506,84 @@ def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
     return {"$mergeObjects": ["$$ROOT", changes]}
 
 
+def retry_filter(key: str) -> dict[str, Any]:
+    """``rules.apply_retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
+    return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(IS_LIVE), 0]}}
+
+
 def retry_update() -> list[Expr]:
     """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
-    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW}
-    return [{"$set": fresh}, {"$unset": [f.FATAL]}, *summary_stages()]
+    unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
+    recheck = {"$or": [{"$eq": [{"$type": f.ref(f.ERROR)}, "object"]}, *unreadable]}
+    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW, "_tr_recheck": recheck}
+    # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
+    again = {
+        f.STATE: {"$cond": ["$_tr_recheck", TaskState.PENDING.value, f.ref(f.STATE)]},
+        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.FINISHED_AT)]},
+    }
+    return [
+        {"$set": fresh},
+        {"$unset": [f.FATAL, f.ERROR]},
+        *summary_stages(),
+        {"$set": again},
+        {"$unset": ["_tr_recheck"]},
+    ]
+
+
+def unsettled_branches() -> list[dict[str, Any]]:
+    """``rules.unsettled`` as two ranges of the claim index: states outside the five, and
+    unfinished without a claimable_at date (the key's type is checked on what they find)."""
+    keyed = {f.KEY: {"$type": "string"}}
+    return [
+        {f.STATE: {"$nin": list(STATES)}, **keyed},
+        {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}, **keyed},
+    ]
+
+
+def unsettled_filter() -> dict[str, Any]:
+    """Documents a sweep hands to ``Store.normalize`` (``rules.unsettled``)."""
+    return {"$or": unsettled_branches()}
+
+
+def _if_missing(field: str, value: Expr) -> Expr:
+    """``value`` where ``field`` is missing, else the field as it is."""
+    return {"$cond": [_missing(field), value, f.ref(field)]}
+
+
+def normalize_update(fill: dict[str, Any]) -> list[Expr]:
+    """``rules.apply_normalization`` without the mark: set each field of ``fill`` only if it
+    is still missing when the write lands (a racing worker's write wins, unchanged), times
+    in server time; options merged under those given; claimable_at from the run_at set."""
+    stage: dict[str, Expr] = {
+        field: _if_missing(field, NOW if field in STAMPED else {"$literal": value})
+        for field, value in fill.items()
+        if field not in (f.OPTIONS, f.CLAIMABLE_AT)
+    }
+    if f.OPTIONS in fill:
+        given = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
+        merged = {"$mergeObjects": [{"$literal": fill[f.OPTIONS]}, f.ref(f.OPTIONS)]}
+        stage[f.OPTIONS] = {"$cond": [given, merged, _if_missing(f.OPTIONS, {"$literal": fill[f.OPTIONS]})]}
+    stages: list[Expr] = [{"$set": {**stage, f.UPDATED_AT: NOW}}]
+    if f.CLAIMABLE_AT in fill:
+        unfinished = {"$and": [_missing(f.CLAIMABLE_AT), {"$in": [f.ref(f.STATE), list(ACTIVE)]}]}
+        keep = {"$cond": [_missing(f.CLAIMABLE_AT), "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
+        stages.append({"$set": {f.CLAIMABLE_AT: {"$cond": [unfinished, f.ref(f.RUN_AT), keep]}}})
+    return stages
+
+
+def mark_update(problem: str) -> list[Expr]:
+    """The mark of ``rules.apply_normalization``: FAIL, ``fatal``, the document's own error."""
+    mark = {f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: {"$literal": marked_error(problem)}}
+    return [{"$set": {**mark, f.FINISHED_AT: NOW, f.UPDATED_AT: NOW}}, {"$unset": [f.CLAIMABLE_AT]}]
+
+
+def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """Matches only while each top-level field of ``fields`` holds what ``doc`` held (or is
+    still missing): a mark lands only on the document it judged."""
+    present = [{"$eq": [f.ref(name), {"$literal": doc[name]}]} for name in fields if name in doc]
+    missing: dict[str, Any] = {name: {"$exists": False} for name in fields if name not in doc}
+    return {**missing, "$expr": {"$and": present}} if present else missing
 
 
 def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
@@ -494,18 +599,34 @@ def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
 def stats_pipeline() -> list[Expr]:
     """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
     hour_ago = {"$subtract": [NOW, 3_600_000]}
-    recent = {"$and": [{"$in": [f"$workers.{f.STATE}", ["SUCCESS", "FAIL"]]},
-                       {"$gte": [f"$workers.{f.FINISHED_AT}", hour_ago]}]}  # fmt: skip
+    entry_state = f.ref(f"{f.WORKERS}.{f.STATE}")  # after $unwind: one entry per document
+    outcomes = [EntryState.SUCCESS.value, EntryState.FAIL.value]
+    recent = {
+        "$and": [
+            {"$in": [entry_state, outcomes]},
+            {"$gte": [f.ref(f"{f.WORKERS}.{f.FINISHED_AT}"), hour_ago]},
+        ]
+    }
     return [
-        {"$facet": {
-            "by": [{"$group": {"_id": {"name": f.ref(f.NAME), "state": f.ref(f.STATE)}, "n": {"$sum": 1}}}],
-            "oldest": [{"$match": {f.STATE: TaskState.PENDING.value}},
-                       {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}}],
-            "recent": [{"$match": {f.WORKERS: {"$type": "array"}}}, {"$unwind": f.ref(f.WORKERS)},
-                       {"$match": {"$expr": recent}}, {"$group": {"_id": f"$workers.{f.STATE}", "n": {"$sum": 1}}}],
-        }},
+        {
+            "$facet": {
+                "by": [
+                    {"$group": {"_id": {f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)}, "n": {"$sum": 1}}}
+                ],
+                "oldest": [
+                    {"$match": {f.STATE: TaskState.PENDING.value}},
+                    {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}},
+                ],
+                "recent": [
+                    {"$match": {f.WORKERS: {"$type": "array"}}},
+                    {"$unwind": f.ref(f.WORKERS)},
+                    {"$match": {"$expr": recent}},
+                    {"$group": {"_id": entry_state, "n": {"$sum": 1}}},
+                ],
+            }
+        },
         {"$addFields": {"now": NOW}},
-    ]  # fmt: skip
+    ]
 
 
 def throttle_update(seconds: float) -> list[Expr]:

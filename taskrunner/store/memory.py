@@ -31,7 +31,6 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store.base import (
     ChangeEvent,
@@ -41,6 +40,7 @@ from taskrunner.store.base import (
     EventKind,
     Page,
     RunResult,
+    RunStatus,
     RunWrite,
     Window,
     due_page,
@@ -119,9 +119,14 @@ class MemoryStore:
         self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
         self._emit("insert", doc)
 
-    def raw(self, key: str) -> Doc:
+    def document(self, key: str) -> Doc:
+        """A copy of the stored document of ``key`` as it is, malformed or not (``KeyError`` if none)."""
         doc: Doc = _clone(self._docs[key])
         return doc
+
+    def documents(self) -> list[Doc]:
+        """Copies of every stored task document, in insertion order."""
+        return [_clone(doc) for doc in self._docs.values()]
 
     # -- Store --------------------------------------------------------------------
     async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
@@ -175,7 +180,7 @@ class MemoryStore:
     ) -> list[Task]:
         docs = [d for d in self._matching(state, name) if worker_id is None or _has_worker(d, worker_id)]
         docs.sort(key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
-        tasks = [t for t in (self._readable(d) for d in docs) if t is not None]
+        tasks = [self._task(d) for d in docs]
         return tasks[:limit] if limit else tasks
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
@@ -202,7 +207,8 @@ class MemoryStore:
         )
         running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
         pending = [d for d in docs if d[f.STATE] == TaskState.PENDING.value][:limit]
-        return due_page([_clone(d) for d in running + pending], limit)
+        unsettled = [d for d in self._docs.values() if rules.unsettled(d)][:limit]
+        return due_page([_clone(d) for d in running + pending + unsettled], limit)
 
     async def claim(
         self,
@@ -239,7 +245,7 @@ class MemoryStore:
         if rules.running_entry(doc, run_id) is None:
             return None  # the task's dead leases spent its budget: it was ended, not claimed
         try:
-            return Claim(self._task(doc), run_id)
+            return Claim(Task.from_document(_clone(doc)), run_id)
         except MalformedTask as exc:
             # Record the unreadable document as this run's failure, so it cannot loop.
             error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
@@ -300,27 +306,22 @@ class MemoryStore:
         self._emit("update", doc)
         return self._task(doc)
 
-    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        progress = _clone(progress)
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_ping(d, e, now, progress))
-
-    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
-        result = _clone(result)
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_success(d, e, result, now))
-
-    async def fail(
-        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
-    ) -> Task:
-        err = error.model_dump()
-        return self._run_write(
-            key, run_id, lambda d, e, now: rules.apply_failure(d, e, err, now, retry_in, final)
-        )
-
     async def release(self, key: str, run_id: str) -> Task:
         return self._run_write(key, run_id, rules.apply_release)
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
         return self._run_write(key, run_id, lambda d, e, now: rules.apply_snooze(d, e, now, seconds))
+
+    async def normalize(self, key: str) -> Task:
+        doc = self._docs.get(key)
+        if doc is None:
+            raise TaskNotFound(key)
+        now = self._clock()
+        fill, problem = rules.verdict(doc, now)
+        if (fill or problem) and not (problem and rules.is_marked(doc)):
+            rules.apply_normalization(doc, fill, problem, now)
+            self._emit("update", doc)
+        return self._task(doc)
 
     async def cancel(self, key: str) -> Task:
         doc = self._docs.get(key)
@@ -336,9 +337,11 @@ class MemoryStore:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
-        if doc.get(f.STATE) not in rules.RETRYABLE:
-            raise InvalidState(key, str(doc.get(f.STATE)), "retry", "FAIL or CANCELED")
-        rules.apply_retry(doc, self._clock())
+        now = self._clock()
+        running = rules.still_running(doc, now)
+        if doc.get(f.STATE) not in rules.RETRYABLE or running:
+            raise rules.retry_refused(key, str(doc.get(f.STATE)), running)
+        rules.apply_retry(doc, now)
         self._emit("update", doc)
         return self._task(doc)
 
@@ -357,16 +360,27 @@ class MemoryStore:
         for doc in self._docs.values():
             by_state = counts.setdefault(str(doc.get(f.NAME)), {})
             by_state[str(doc.get(f.STATE))] = by_state.get(str(doc.get(f.STATE)), 0) + 1
-        pending = [d[f.CREATED_AT] for d in self._docs.values() if d.get(f.STATE) == TaskState.PENDING.value]
+        pending = [
+            created
+            for d in self._docs.values()
+            if d.get(f.STATE) == TaskState.PENDING.value
+            and isinstance(created := d.get(f.CREATED_AT), datetime)
+        ]
         hour_ago = now - timedelta(hours=1)
-        recent = [w.get(f.STATE) for d in self._docs.values() for w in d.get(f.WORKERS) or []
-                  if isinstance(w, dict) and isinstance(w.get(f.FINISHED_AT), datetime) and w[f.FINISHED_AT] >= hour_ago]  # fmt: skip
+        recent = [
+            w.get(f.STATE)
+            for d in self._docs.values()
+            for w in d.get(f.WORKERS) or []
+            if isinstance(w, dict)
+            and isinstance(w.get(f.FINISHED_AT), datetime)
+            and w[f.FINISHED_AT] >= hour_ago
+        ]
         return TaskStats(
             counts=counts,
             running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
             oldest_pending_seconds=(now - min(pending)).total_seconds() if pending else None,
-            finished_last_hour=sum(s in ("SUCCESS", "FAIL") for s in recent),
-            failed_last_hour=recent.count("FAIL"),
+            finished_last_hour=sum(s in (EntryState.SUCCESS.value, EntryState.FAIL.value) for s in recent),
+            failed_last_hour=recent.count(EntryState.FAIL.value),
         )
 
     async def server_time(self) -> datetime:
@@ -398,9 +412,15 @@ class MemoryStore:
     async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
         now, old = self._clock(), self._schedules.get(schedule.id, {})
         self._schedules[schedule.id] = {
-            **old, f.ID: schedule.id, **_clone(schedule.definition()), f.PAUSED: old.get(f.PAUSED, False),
-            f.NEXT_AT: next_at, f.CREATED_AT: old.get(f.CREATED_AT, now), f.DECLARED_AT: now, f.UPDATED_AT: now,
-        }  # fmt: skip
+            **old,
+            f.ID: schedule.id,
+            **_clone(schedule.definition()),
+            f.PAUSED: old.get(f.PAUSED, False),
+            f.NEXT_AT: next_at,
+            f.CREATED_AT: old.get(f.CREATED_AT, now),
+            f.DECLARED_AT: now,
+            f.UPDATED_AT: now,
+        }
 
     async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
         chosen = sorted(self._schedules if ids is None else set(ids) & set(self._schedules))
@@ -448,8 +468,14 @@ class MemoryStore:
             listed = doc.get(f.THROTTLED_GATES)
             listed = listed if isinstance(listed, list) else []
             same = [t[f.UNTIL] for t in listed if isinstance(t, dict) and t.get(f.GATE) == gate]
-            others = [t for t in listed if isinstance(t, dict) and t.get(f.GATE) != gate
-                      and isinstance(t.get(f.UNTIL), datetime) and t[f.UNTIL] > now]  # fmt: skip
+            others = [
+                t
+                for t in listed
+                if isinstance(t, dict)
+                and t.get(f.GATE) != gate
+                and isinstance(t.get(f.UNTIL), datetime)
+                and t[f.UNTIL] > now
+            ]
             longest = max([until, *(u for u in same if isinstance(u, datetime))])
             doc[f.THROTTLED_GATES] = [*others, {f.GATE: gate, f.UNTIL: longest}]
         doc[f.UPDATED_AT] = now
@@ -547,14 +573,7 @@ class MemoryStore:
 
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
-        return Task.from_document(_clone(doc), created=created)
-
-    @staticmethod
-    def _readable(doc: Doc) -> Task | None:
-        try:
-            return Task.from_document(_clone(doc))
-        except MalformedTask:
-            return None
+        return Task.read(_clone(doc), created=created)
 
 
 class _LimitsStream:
@@ -622,8 +641,9 @@ class _MemoryChangeStream:
         seq, kind, key, doc, changed = fresh
         self._position = seq
         if self._work_for is not None and kind == "update":
-            return ChangeEvent(kind, None, None, {"_data": str(seq)}, wake=True,
-                               wake_at=rules.wake_at(changed or {}))  # fmt: skip
+            return ChangeEvent(
+                kind, None, None, {"_data": str(seq)}, wake=True, wake_at=rules.wake_at(changed or {})
+            )
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None, Doc | None] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from typing import Any
@@ -26,10 +26,12 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamsUnsupported,
     ClaimLost,
+    DuplicateKey,
     InvalidSchedule,
     InvalidState,
     InvalidTask,
     MalformedTask,
+    PartialBulkWrite,
     ScheduleNotFound,
     StoreError,
     StoreUnavailable,
@@ -39,7 +41,6 @@ from taskrunner.errors import (
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
 from taskrunner.redact import redact
-from taskrunner.rules import RunStatus
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store import expressions as x
 from taskrunner.store.base import (
@@ -51,6 +52,7 @@ from taskrunner.store.base import (
     Failure,
     Page,
     RunResult,
+    RunStatus,
     RunWrite,
     Window,
     due_page,
@@ -73,13 +75,23 @@ def mapped_errors() -> Iterator[None]:
     """Translate PyMongo errors into taskrunner's (the store boundary)."""
     try:
         yield
-    except (pe.ConnectionFailure, pe.ServerSelectionTimeoutError, pe.NetworkTimeout, pe.ExecutionTimeout,
-            pe.WTimeoutError) as exc:  # fmt: skip
+    except (
+        pe.ConnectionFailure,
+        pe.ServerSelectionTimeoutError,
+        pe.NetworkTimeout,
+        pe.ExecutionTimeout,
+        pe.WTimeoutError,
+    ) as exc:
         # The topology description PyMongo appends is long and says nothing new.
         reason = str(exc).split(" (configured timeouts")[0].split(", Timeout:")[0]
         raise StoreUnavailable(f"MongoDB unavailable: {redact(reason)}") from exc
     except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
         raise InvalidTask("task", redact(str(exc))) from exc
+    except pe.DuplicateKeyError as exc:
+        raise DuplicateKey(redact(str(exc))) from exc
+    except pe.BulkWriteError as exc:
+        errors = {e["index"]: _write_error(e) for e in exc.details.get("writeErrors", [])}
+        raise PartialBulkWrite(redact(str(exc)), exc.details.get("nMatched", 0), errors) from exc
     except pe.OperationFailure as exc:
         if exc.code == _NO_CHANGE_STREAMS:
             raise ChangeStreamsUnsupported(redact(str(exc))) from exc
@@ -97,6 +109,8 @@ def _write_error(error: Doc) -> StoreError:
     message = redact(str(error.get("errmsg", error)))
     if error.get("code") == _DOCUMENT_INVALID:
         return WriteRejected(f"the collection's validator rejected the write: {message}")
+    if error.get("code") == _DUPLICATE_KEY:
+        return DuplicateKey(message)
     return StoreError(message)
 
 
@@ -132,9 +146,13 @@ class MongoStore:
         extra: dict[str, Any] = {"event_listeners": list(event_listeners)} if event_listeners else {}
         try:
             client: AsyncMongoClient[Doc] = AsyncMongoClient(
-                uri, tz_aware=True, appname="taskrunner",
-                serverSelectionTimeoutMS=int(timeout * 1000), connectTimeoutMS=int(timeout * 1000), **extra,
-            )  # fmt: skip
+                uri,
+                tz_aware=True,
+                appname="taskrunner",
+                serverSelectionTimeoutMS=int(timeout * 1000),
+                connectTimeoutMS=int(timeout * 1000),
+                **extra,
+            )
         except (pe.ConfigurationError, ValueError, TypeError) as exc:
             raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
         return cls(client, database, collection, owns_client=True)
@@ -209,11 +227,9 @@ class MongoStore:
                 await self.collection.bulk_write(
                     [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False
                 )
-        except StoreError as exc:
+        except PartialBulkWrite as exc:
             # A racing publisher inserted some keys first: those tasks exist, which is the goal.
-            cause = exc.__cause__
-            errors = cause.details.get("writeErrors", []) if isinstance(cause, pe.BulkWriteError) else [None]
-            if any(e is None or e.get("code") != _DUPLICATE_KEY for e in errors):
+            if not all(isinstance(e, DuplicateKey) for e in exc.errors.values()):
                 raise
 
     async def _publish_single(self, filter_: Doc, update: list[Any]) -> Doc:
@@ -225,10 +241,8 @@ class MongoStore:
                     )
                     assert doc is not None, "an upsert always returns a document"
                     return doc
-            except StoreError as exc:
-                # Two racing upserts of one key: one inserts, the other hits the unique index.
-                if not isinstance(exc.__cause__, pe.DuplicateKeyError):
-                    raise
+            except DuplicateKey:
+                continue  # two racing upserts of one key: one inserts, the other hits the unique index
         raise StoreError(f"publish of {filter_[f.KEY]!r} kept colliding with concurrent publishers")
 
     async def get(self, key: str) -> Task:
@@ -251,7 +265,7 @@ class MongoStore:
             query[f"{f.WORKERS}.{f.WORKER_ID}"] = worker_id
         with mapped_errors():
             cursor = self.collection.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit)
-            return [t async for t in self._readable(cursor)]
+            return [self._task(doc) async for doc in cursor]
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         with mapped_errors():
@@ -309,7 +323,7 @@ class MongoStore:
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
-            return Claim(self._task(doc), run_id)
+            return Claim(Task.from_document(doc), run_id)
         except MalformedTask as exc:
             await self._reject(doc[f.ID], run_id, exc)
             raise
@@ -344,7 +358,7 @@ class MongoStore:
         claimed = Claimed([], [])
         for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
             try:
-                claimed.claims.append(Claim(self._task(doc), token[doc[f.KEY]]))
+                claimed.claims.append(Claim(Task.from_document(doc), token[doc[f.KEY]]))
             except MalformedTask as exc:
                 claimed.rejected.append(exc)
                 # Not recorded now? Its lease expires and a later claim counts the failure;
@@ -377,12 +391,8 @@ class MongoStore:
             with mapped_errors():
                 result = await self.collection.bulk_write(ops, ordered=False)
             matched = result.matched_count
-        except StoreError as exc:
-            cause = exc.__cause__
-            if not isinstance(cause, pe.BulkWriteError):
-                raise
-            matched = cause.details.get("nMatched", 0)
-            errors = {e["index"]: _write_error(e) for e in cause.details.get("writeErrors", [])}
+        except PartialBulkWrite as exc:
+            matched, errors = exc.matched, exc.errors
         if matched + len(errors) == len(writes):
             return [errors.get(i, RunStatus.DONE) for i in range(len(writes))], set()
         return await self._resolve(writes, matched, errors)
@@ -428,12 +438,17 @@ class MongoStore:
         if results.count(RunStatus.DONE) > matched:
             # More look done than matched (an outcome written by an earlier try counts):
             # a renewal among them cannot be shown to have landed now.
-            results = [RunStatus.UNCONFIRMED if r is RunStatus.DONE and w.kind == "ping" else r
-                       for r, w in zip(results, writes, strict=True)]  # fmt: skip
+            results = [
+                RunStatus.UNCONFIRMED if r is RunStatus.DONE and w.kind == "ping" else r
+                for r, w in zip(results, writes, strict=True)
+            ]
         owned = {
-            i for i, (r, w) in enumerate(zip(results, writes, strict=True))
-            if r is RunStatus.LOST and w.kind != "ping" and rules.running_entry(docs.get(w.key) or {}, w.run_id)
-        }  # fmt: skip
+            i
+            for i, (r, w) in enumerate(zip(results, writes, strict=True))
+            if r is RunStatus.LOST
+            and w.kind != "ping"
+            and rules.running_entry(docs.get(w.key) or {}, w.run_id)
+        }
         return results, owned
 
     async def _reject(self, doc_id: Any, run_id: str, exc: MalformedTask) -> None:
@@ -455,23 +470,34 @@ class MongoStore:
             raise ClaimLost(key, run_id)
         return self._task(doc)
 
-    async def ping(self, key: str, run_id: str, *, progress: Any = None) -> Task:
-        return await self._run_write(key, run_id, x.ping_update(run_id, progress))
-
-    async def succeed(self, key: str, run_id: str, result: Any = None) -> Task:
-        return await self._run_write(key, run_id, x.success_update(run_id, result))
-
-    async def fail(
-        self, key: str, run_id: str, error: TaskError, *, retry_in: float | None = None, final: bool = False
-    ) -> Task:
-        update = x.failure_update(run_id, error.model_dump(), retry_in, final)
-        return await self._run_write(key, run_id, update)
-
     async def release(self, key: str, run_id: str) -> Task:
         return await self._run_write(key, run_id, x.release_update(run_id))
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
         return await self._run_write(key, run_id, x.snooze_update(run_id, seconds))
+
+    async def normalize(self, key: str) -> Task:
+        with mapped_errors():
+            doc = await self.collection.find_one({f.KEY: key})
+        if doc is None:
+            raise TaskNotFound(key)
+        # The values' types decide whether it reads; the write stamps server time.
+        fill, problem = rules.verdict(doc, datetime.now(UTC))
+        if not (fill or problem) or (problem and rules.is_marked(doc)):
+            return self._task(doc)
+        update = x.normalize_update(fill) if fill else []
+        guard: Doc = {f.ID: doc[f.ID]}
+        if problem is not None:
+            update += x.mark_update(problem.problem)
+            guard |= x.unchanged(doc, sorted({f.STATE, problem.field.split(".")[0]} - {""}))
+        with mapped_errors():
+            after = await self.collection.find_one_and_update(
+                guard, update, return_document=ReturnDocument.AFTER
+            )
+            after = after if after is not None else await self.collection.find_one({f.ID: doc[f.ID]})
+        if after is None:
+            raise TaskNotFound(key)
+        return self._task(after)
 
     async def cancel(self, key: str) -> Task:
         with mapped_errors():
@@ -486,14 +512,15 @@ class MongoStore:
         return task
 
     async def retry(self, key: str) -> Task:
-        query = {f.KEY: key, f.STATE: {"$in": list(rules.RETRYABLE)}}
         with mapped_errors():
             doc = await self.collection.find_one_and_update(
-                query, x.retry_update(), return_document=ReturnDocument.AFTER
+                x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
             )
         if doc is None:
             task = await self.get(key)  # raises TaskNotFound
-            raise InvalidState(key, task.state.value, "retry", "FAIL or CANCELED")
+            # No RUNNING entry here: it stopped since the update, or its entry does not read.
+            running = [w.worker_id for w in task.workers if w.state is EntryState.RUNNING] or ["a worker"]
+            raise rules.retry_refused(key, task.state.value, running)
         return self._task(doc)
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
@@ -508,7 +535,7 @@ class MongoStore:
             [doc] = await (await self.collection.aggregate(x.stats_pipeline())).to_list()
         counts: dict[str, dict[str, int]] = {}
         for row in doc["by"]:
-            counts.setdefault(str(row["_id"].get("name")), {})[str(row["_id"].get("state"))] = row["n"]
+            counts.setdefault(str(row["_id"].get(f.NAME)), {})[str(row["_id"].get(f.STATE))] = row["n"]
         oldest = doc["oldest"][0]["oldest"] if doc["oldest"] else None
         recent = {row["_id"]: row["n"] for row in doc["recent"]}
         return TaskStats(
@@ -517,8 +544,8 @@ class MongoStore:
             oldest_pending_seconds=(doc["now"] - oldest).total_seconds()
             if isinstance(oldest, datetime)
             else None,
-            finished_last_hour=recent.get("SUCCESS", 0) + recent.get("FAIL", 0),
-            failed_last_hour=recent.get("FAIL", 0),
+            finished_last_hour=recent.get(EntryState.SUCCESS.value, 0) + recent.get(EntryState.FAIL.value, 0),
+            failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
 
     async def server_time(self) -> datetime:
@@ -534,9 +561,12 @@ class MongoStore:
         update = [{"$set": {**{k: {"$literal": v} for k, v in info.items()}, **stamp}}]
         with mapped_errors():
             doc = await self.registry.find_one_and_update(
-                {f.ID: worker.worker_id}, update, upsert=True, return_document=ReturnDocument.AFTER,
+                {f.ID: worker.worker_id},
+                update,
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
                 projection={f.STOP_REQUESTED: 1},
-            )  # fmt: skip
+            )
         return bool(doc and doc.get(f.STOP_REQUESTED))
 
     async def request_stop(self, worker_id: str) -> bool:
@@ -557,9 +587,13 @@ class MongoStore:
 
     async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
         definition = {k: {"$literal": v} for k, v in schedule.definition().items()}
-        state = {f.PAUSED: {"$ifNull": [f.ref(f.PAUSED), False]}, f.NEXT_AT: next_at,
-                 f.CREATED_AT: {"$ifNull": [f.ref(f.CREATED_AT), x.NOW]}, f.DECLARED_AT: x.NOW,
-                 f.UPDATED_AT: x.NOW}  # fmt: skip
+        state = {
+            f.PAUSED: {"$ifNull": [f.ref(f.PAUSED), False]},
+            f.NEXT_AT: next_at,
+            f.CREATED_AT: {"$ifNull": [f.ref(f.CREATED_AT), x.NOW]},
+            f.DECLARED_AT: x.NOW,
+            f.UPDATED_AT: x.NOW,
+        }
         with mapped_errors():
             await self.schedule_docs.update_one(
                 {f.ID: schedule.id}, [{"$set": {**definition, **state}}], upsert=True
@@ -577,9 +611,11 @@ class MongoStore:
         with mapped_errors():
             result = await self.schedule_docs.update_one(
                 {f.ID: schedule_id, f.LAST_TICK: previous},
-                {"$set": {f.LAST_TICK: tick, f.LAST_KEY: key, f.NEXT_AT: next_at},
-                 "$currentDate": {f.UPDATED_AT: True}},
-            )  # fmt: skip
+                {
+                    "$set": {f.LAST_TICK: tick, f.LAST_KEY: key, f.NEXT_AT: next_at},
+                    "$currentDate": {f.UPDATED_AT: True},
+                },
+            )
         return result.modified_count == 1
 
     async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
@@ -649,9 +685,8 @@ class MongoStore:
                     {"$set": {f.DECLARED: declared}, "$currentDate": {f.UPDATED_AT: True}},
                     upsert=True,
                 )
-        except StoreError as exc:
-            if not isinstance(exc.__cause__, pe.DuplicateKeyError):  # already so: nothing to do
-                raise
+        except DuplicateKey:
+            pass  # another worker's upsert created it with these limits: nothing to do
 
     async def read_gate(self, gate: str) -> dict[str, Any] | None:
         with mapped_errors():
@@ -666,10 +701,8 @@ class MongoStore:
                 return await self.gate_docs.find_one_and_update(
                     {f.ID: gate, **expect}, update, upsert=create, return_document=ReturnDocument.AFTER
                 )
-        except StoreError as exc:
-            if isinstance(exc.__cause__, pe.DuplicateKeyError):
-                return None  # created meanwhile by another worker: an expectation failed
-            raise
+        except DuplicateKey:
+            return None  # created meanwhile by another worker: an expectation failed
 
     async def watch(
         self,
@@ -685,9 +718,9 @@ class MongoStore:
             options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
             pipeline = [{"$match": x.work_match(list(work_for), owned)}]
         else:
-            match: Doc = {"operationType": {"$in": ["insert", "update", "replace", "delete"]}}
+            match: Doc = {f.OPERATION_TYPE: {"$in": ["insert", "update", "replace", "delete"]}}
             if key is not None:
-                match["fullDocument.key"] = key
+                match[f"{f.FULL_DOCUMENT}.{f.KEY}"] = key
             options, pipeline = (
                 {"full_document": "updateLookup", "max_await_time_ms": _AWAIT_MS},
                 [{"$match": match}],
@@ -703,15 +736,7 @@ class MongoStore:
     # -- internals ----------------------------------------------------------------------
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
-        return Task.from_document(doc, created=created)
-
-    @staticmethod
-    async def _readable(cursor: Any) -> AsyncIterator[Task]:
-        async for doc in cursor:
-            try:
-                yield Task.from_document(doc)
-            except MalformedTask:
-                continue
+        return Task.read(doc, created=created)
 
 
 class _MongoChangeStream:
@@ -740,11 +765,11 @@ class _MongoChangeStream:
 
     @staticmethod
     def _event(change: Doc) -> ChangeEvent:
-        kind: EventKind = change["operationType"]
-        doc = change.get("fullDocument")
+        kind: EventKind = change[f.OPERATION_TYPE]
+        doc = change.get(f.FULL_DOCUMENT)
         token = change.get("_id")
-        if doc is None and kind == "update" and "updateDescription" in change:
-            changed = change["updateDescription"].get("updatedFields") or {}
+        if doc is None and kind == "update" and f.UPDATE_DESCRIPTION in change:
+            changed = change[f.UPDATE_DESCRIPTION].get(f.UPDATED_FIELDS) or {}
             if rules.wakes(changed):  # a worker's stream: which task is not said, only when
                 return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed))
         if doc is None:  # a delete, or the document was gone by lookup time

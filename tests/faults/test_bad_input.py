@@ -17,6 +17,7 @@ from typing import Any
 from uuid import uuid4
 
 import pytest
+import runs
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
 from workers import WorkerPool, WorkerProcess, finished
@@ -83,8 +84,16 @@ def claimable(key: str, case: str) -> Doc:
     """A valid, due document as taskrunner would write it, tagged with its case."""
     now = datetime.now(UTC)
     doc = rules.new_document(NewTask(key=key, name="quick"), publish_id="by-hand")
-    doc.update({"created_at": now, "updated_at": now, "run_at": now, "claimable_at": now,
-                "priority": 100, "case": case})  # fmt: skip
+    doc.update(
+        {
+            "created_at": now,
+            "updated_at": now,
+            "run_at": now,
+            "claimable_at": now,
+            "priority": 100,
+            "case": case,
+        }
+    )
     return doc
 
 
@@ -116,40 +125,40 @@ def _bare(doc: Doc) -> None:
             del doc[field]
 
 
-REJECTED, SKIPPED, IGNORED = "rejected", "skipped", "ignored"
+NORMALIZED, MARKED, REJECTED = "normalized", "marked", "rejected"
 # (case id, how to break a valid document, field the message names, what the worker does)
-# REJECTED: the document passes the server's claim filter but no model reads it; the
-#   claim records a FAIL entry of type MalformedTask (naming the field) instead of running
-#   the handler, so it cannot loop.
-# SKIPPED: the claim filter's type guards refuse it; the worker logs "skipping unreadable
-#   task document" naming the field and never claims it.
-# IGNORED: the model fills a default for the missing option (or reads "2" as 2), but the
-#   claim filter's type guard refuses it: it stays PENDING, untouched (``taskrunner show`` still reads it).
+# NORMALIZED: only documented defaults are missing; the worker fills them in (one write,
+#   server time) and runs the task like a published one.
+# MARKED: still unreadable after defaults; the worker marks the document itself: state
+#   FAIL, fatal, and its own error (type MalformedTask, naming the field and value),
+#   adding only missing fields, so list, show, stats and the mongo shell see it.
+# REJECTED: no string key, so nothing can address it: the worker claims it without a key
+#   and records a FAIL entry of type MalformedTask (naming the field) instead of running it.
 MALFORMED: list[tuple[str, Callable[[Doc], None], str, str]] = [
-    ("missing-most-fields", _bare, "params", SKIPPED),
-    ("missing-options", _drop("options"), "options", SKIPPED),
-    ("options-not-an-object", _set("options", "fast"), "options", SKIPPED),
-    ("options-missing-concurrency", _drop("options.concurrency"), "options.concurrency", IGNORED),
-    ("options-concurrency-string", _set("options.concurrency", "2"), "options.concurrency", IGNORED),
-    ("options-negative-ping-timeout", _set("options.ping_timeout", -5), "options.ping_timeout", REJECTED),
-    ("options-nan-ping-interval", _set("options.ping_interval", math.nan), "options.ping_interval", REJECTED),
-    ("options-worker-ids-string", _set("options.worker_ids", WORKER_ID), "options.worker_ids", REJECTED),
-    ("workers-not-an-array", _set("workers", "nobody"), "workers", SKIPPED),
-    ("workers-huge-junk-array", _set("workers", [{"junk": i} for i in range(1_000)]), "workers.0", REJECTED),
-    ("unknown-state", _set("state", "EXPLODED"), "state", SKIPPED),
-    ("state-wrong-type", _set("state", 7), "state", SKIPPED),
-    ("params-not-an-object", _set("params", "not an object"), "params", REJECTED),
-    ("priority-string", _set("priority", "high"), "priority", REJECTED),
-    ("created-at-string", _set("created_at", "yesterday"), "created_at", REJECTED),
-    ("claimable-at-string", _set("claimable_at", "now"), "claimable_at", SKIPPED),
-    ("failures-string", _set("failures", "none"), "failures", SKIPPED),
-    ("name-not-a-string", _set("name", 42), "name", SKIPPED),
+    ("missing-most-fields", _bare, "", NORMALIZED),
+    ("missing-options", _drop("options"), "", NORMALIZED),
+    ("options-missing-concurrency", _drop("options.concurrency"), "", NORMALIZED),
+    ("options-not-an-object", _set("options", "fast"), "options", MARKED),
+    ("options-concurrency-string", _set("options.concurrency", "2"), "options.concurrency", MARKED),
+    ("options-negative-ping-timeout", _set("options.ping_timeout", -5), "options.ping_timeout", MARKED),
+    ("options-nan-ping-interval", _set("options.ping_interval", math.nan), "options.ping_interval", MARKED),
+    ("options-worker-ids-string", _set("options.worker_ids", WORKER_ID), "options.worker_ids", MARKED),
+    ("workers-not-an-array", _set("workers", "nobody"), "workers", MARKED),
+    ("workers-huge-junk-array", _set("workers", [{"junk": i} for i in range(1_000)]), "workers.0", MARKED),
+    ("unknown-state", _set("state", "EXPLODED"), "state", MARKED),
+    ("state-wrong-type", _set("state", 7), "state", MARKED),
+    ("params-not-an-object", _set("params", "not an object"), "params", MARKED),
+    ("priority-string", _set("priority", "high"), "priority", MARKED),
+    ("created-at-string", _set("created_at", "yesterday"), "created_at", MARKED),
+    ("claimable-at-string", _set("claimable_at", "now"), "claimable_at", MARKED),
+    ("failures-string", _set("failures", "none"), "failures", MARKED),
+    ("name-not-a-string", _set("name", 42), "name", MARKED),
     ("missing-key", _drop("key"), "key", REJECTED),
 ]
 
 
 @pytest.mark.parametrize(("case", "breaks", "field", "mode"), MALFORMED, ids=[case for case, *_ in MALFORMED])
-async def test_malformed_document_never_runs_and_never_stops_the_worker(
+async def test_a_hand_written_document_runs_or_is_marked_and_never_stops_the_worker(
     runner: TaskRunner,
     worker: WorkerProcess,
     pool: WorkerPool,
@@ -159,15 +168,27 @@ async def test_malformed_document_never_runs_and_never_stops_the_worker(
     field: str,
     mode: str,
 ) -> None:
-    """A hand-written malformed document never reaches a handler; the worker names the broken field and keeps serving."""
+    """A hand-written document missing only defaults runs; any other never reaches a handler
+    and is marked FAIL in the document, naming the broken field; the worker keeps serving."""
     key = f"malformed-{case}"
     doc = claimable(key, case)
     breaks(doc)
     await raw.insert_one(doc)
-    # The worker learns of the document from its change stream (or its start-up scan) and
-    # sweeps with a keyless claim: a claimable malformed document is rejected on the way.
+    # The worker hears of the document from its change stream (or a sweep) and normalizes it.
     await still_serves(runner, worker)
-    if mode == REJECTED:
+    if mode == NORMALIZED:
+        [done] = await wait_for(lambda: finished(runner, key), 30, f"{case} to run")
+        assert done.state is TaskState.SUCCESS and done.problem is None and pool.marks(key=key)
+        return
+    if mode == MARKED:
+        stored = await wait_for(lambda: _marked(raw, case), 30, f"{case} to be marked")
+        assert stored["error"]["message"].startswith(f"{field}") and stored["fatal"] is True, stored["error"]
+        assert stored.get("workers") == doc.get("workers")  # nothing written by hand is overwritten
+        marked = "marked an unreadable task document FAIL"
+        await wait_for(
+            lambda: [e for e in worker.find(marked, key=key) if field in e["problem"]], 10, "the log"
+        )
+    else:
         stored = await wait_for(lambda: _rejected(raw, case), 30, f"{case} to be recorded as a failure")
         error = stored["workers"][-1]["error"]
         assert error["type"] == "MalformedTask" and field in error["message"], error
@@ -177,14 +198,14 @@ async def test_malformed_document_never_runs_and_never_stops_the_worker(
             for e in worker.find("claimed an unreadable task; recorded as its failure")
             if field in e["error"]
         ]
-    stored = await raw.find_one({"case": case})
-    assert stored is not None
-    if mode != REJECTED:  # untouched by the worker
-        assert stored.get("workers") == doc.get("workers") and stored.get("attempts") == doc.get("attempts")
-    if mode == SKIPPED:
-        problems = [e["problem"] for e in worker.find("skipping unreadable task document", key=key)]
-        assert any(field in problem for problem in problems), problems
     assert not pool.marks(key=key)  # no handler ever ran it
+
+
+async def _marked(raw: Any, case: str) -> Doc | None:
+    stored: Doc | None = await raw.find_one({"case": case})
+    error = stored.get("error") if stored else None
+    marked = isinstance(error, dict) and error.get("type") == "MalformedTask"
+    return stored if marked and stored is not None and stored.get("state") == "FAIL" else None
 
 
 async def _rejected(raw: Any, case: str) -> Doc | None:
@@ -366,7 +387,7 @@ async def test_validator_refuses_bad_writes_and_accepts_taskrunners_own(
         assert task.created
         claim = await runner.store.claim("w1", key="valid")
         assert claim is not None
-        done = await runner.store.succeed("valid", claim.run_id, {"ok": True})
+        done = await runs.succeed(runner.store, "valid", claim.run_id, {"ok": True})
         assert done.state is TaskState.SUCCESS and done.results == [{"ok": True}]
         with pytest.raises(WriteRejected):
             await _store_write_refused(runner)
