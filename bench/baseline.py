@@ -50,8 +50,15 @@ Doc = dict[str, Any]
 def start_workers(procs: Processes, uri: str, collection: str, workers: int) -> list[str]:
     names = [f"b{i}" for i in range(workers)]
     for name in names:
-        command = [sys.executable, str(BENCH_DIR / "baseline_worker.py"), uri, collection, name,
-                   "--idle-sleep", str(IDLE_SLEEP)]  # fmt: skip
+        command = [
+            sys.executable,
+            str(BENCH_DIR / "baseline_worker.py"),
+            uri,
+            collection,
+            name,
+            "--idle-sleep",
+            str(IDLE_SLEEP),
+        ]
         procs.start(name, command)
     return names
 

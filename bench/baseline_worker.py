@@ -84,8 +84,17 @@ def main() -> None:
     finally:
         client.close()
         counts = dict(sorted(commands.counts.items()))
-        print(json.dumps({"event": "round trips", "worker_id": args.worker_id,
-                          "total": sum(counts.values()), "commands": counts}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "event": "round trips",
+                    "worker_id": args.worker_id,
+                    "total": sum(counts.values()),
+                    "commands": counts,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

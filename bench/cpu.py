@@ -136,8 +136,13 @@ def main() -> None:
             print(f"concurrency {concurrency}: {figures}", file=sys.stderr)
             print_profile(profiler)
             continue
-        emit("cpu", {"store": "memory", "concurrency": concurrency}, figures, results=args.results,
-             smoke=args.smoke)  # fmt: skip
+        emit(
+            "cpu",
+            {"store": "memory", "concurrency": concurrency},
+            figures,
+            results=args.results,
+            smoke=args.smoke,
+        )
 
 
 if __name__ == "__main__":

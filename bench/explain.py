@@ -44,18 +44,43 @@ def task_doc(i: int, state: str, now: datetime) -> dict[str, Any]:
     """A realistic task document: finished ones carry one finished entry, pending ones none."""
     finished = state != TaskState.PENDING.value
     entry = {
-        f.WORKER_ID: f"w{i % 7}", f.RUN_ID: uuid.uuid4().hex, f.STATE: EntryState.SUCCESS.value,
-        f.CLAIMED_AT: now, f.PING_AT: now, f.EXPIRES_AT: now, f.ATTEMPT: 0, f.PROGRESS: None,
-        f.RESULT: None, f.ERROR: None, f.FINISHED_AT: now, f.TOOK_OVER: [],
-    }  # fmt: skip
+        f.WORKER_ID: f"w{i % 7}",
+        f.RUN_ID: uuid.uuid4().hex,
+        f.STATE: EntryState.SUCCESS.value,
+        f.CLAIMED_AT: now,
+        f.PING_AT: now,
+        f.EXPIRES_AT: now,
+        f.ATTEMPT: 0,
+        f.PROGRESS: None,
+        f.RESULT: None,
+        f.ERROR: None,
+        f.FINISHED_AT: now,
+        f.TOOK_OVER: [],
+    }
     doc: dict[str, Any] = {
-        f.KEY: f"{'done' if finished else 'todo'}:{i:07}", f.NAME: "noop", f.PARAMS: {}, f.PRIORITY: 0,
-        f.CREATED_AT: now - timedelta(seconds=i), f.UPDATED_AT: now, f.RUN_AT: now,
-        f.OPTIONS: {f.CONCURRENCY: 1, f.MAX_FAILURES: 3, f.LOCAL_RETRIES: 0, f.RETRY_BACKOFF: 10,
-                    f.PING_INTERVAL: 5, f.PING_TIMEOUT: 30, f.WORKER_IDS: [], f.TIMEOUT: None},
-        f.WORKERS: [entry] if finished else [], f.STATE: state, f.FAILURES: 0, f.ATTEMPTS: int(finished),
+        f.KEY: f"{'done' if finished else 'todo'}:{i:07}",
+        f.NAME: "noop",
+        f.PARAMS: {},
+        f.PRIORITY: 0,
+        f.CREATED_AT: now - timedelta(seconds=i),
+        f.UPDATED_AT: now,
+        f.RUN_AT: now,
+        f.OPTIONS: {
+            f.CONCURRENCY: 1,
+            f.MAX_FAILURES: 3,
+            f.LOCAL_RETRIES: 0,
+            f.RETRY_BACKOFF: 10,
+            f.PING_INTERVAL: 5,
+            f.PING_TIMEOUT: 30,
+            f.WORKER_IDS: [],
+            f.TIMEOUT: None,
+        },
+        f.WORKERS: [entry] if finished else [],
+        f.STATE: state,
+        f.FAILURES: 0,
+        f.ATTEMPTS: int(finished),
         f.PUBLISH_ID: "bench",
-    }  # fmt: skip
+    }
     if finished:
         doc[f.FINISHED_AT] = now
     else:
@@ -89,10 +114,13 @@ def explain(db: Any, collection: str, query: dict[str, Any]) -> dict[str, Any]:
     chain = stages(winning)
     stats = reply["executionStats"]
     return {
-        "stages": chain, "ixscan": "IXSCAN" in chain and "COLLSCAN" not in chain,
-        "indexes": index_names(winning), "keys_examined": stats["totalKeysExamined"],
-        "docs_examined": stats["totalDocsExamined"], "returned": stats["nReturned"],
-    }  # fmt: skip
+        "stages": chain,
+        "ixscan": "IXSCAN" in chain and "COLLSCAN" not in chain,
+        "indexes": index_names(winning),
+        "keys_examined": stats["totalKeysExamined"],
+        "docs_examined": stats["totalDocsExamined"],
+        "returned": stats["nReturned"],
+    }
 
 
 def queries(pending_key: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -103,25 +131,61 @@ def queries(pending_key: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "claim_sweep": ("", {"filter": claim, "sort": sort, "limit": 1}),
         "claim_by_key": ("", {"filter": claim | {f.KEY: pending_key}, "sort": sort, "limit": 1}),
         "claim_batch": ("", {"filter": claim | {f.KEY: {"$in": [pending_key, "todo:1", "todo:2"]}}}),
-        "sweep_running": ("", {"filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), TaskState.RUNNING.value),
-                               "sort": {f.CLAIMABLE_AT: 1}, "limit": 100}),
-        "sweep_pending": ("", {"filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), TaskState.PENDING.value),
-                               "sort": {f.CLAIMABLE_AT: 1}, "limit": 100}),
+        "sweep_running": (
+            "",
+            {
+                "filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), TaskState.RUNNING.value),
+                "sort": {f.CLAIMABLE_AT: 1},
+                "limit": 100,
+            },
+        ),
+        "sweep_pending": (
+            "",
+            {
+                "filter": x.due_filter(WORKER, ["noop"], datetime.now(UTC), TaskState.PENDING.value),
+                "sort": {f.CLAIMABLE_AT: 1},
+                "limit": 100,
+            },
+        ),
         "ping_finish": ("", {"filter": x.entry_filter(pending_key, "no-such-run")}),
         "renewal": ("", {"filter": x.renewal_filter(pending_key, "no-such-run", WORKER)}),
         "get": ("", {"filter": {f.KEY: pending_key}, "limit": 1}),
-        "candidates": ("", {"filter": {f.STATE: {"$in": list(rules.ACTIVE)}}, "sort": {f.KEY: 1}, "limit": 500}),
-        "candidates_after": ("", {"filter": {f.STATE: {"$in": list(rules.ACTIVE)}, f.KEY: {"$gt": "todo:"}},
-                                  "sort": {f.KEY: 1}, "limit": 500}),
-        "list_pending": ("", {"filter": {f.STATE: TaskState.PENDING.value}, "sort": {f.CREATED_AT: 1, f.ID: 1}}),
-        "list_name_state": ("", {"filter": {f.NAME: "noop", f.STATE: TaskState.PENDING.value},
-                                 "sort": {f.CREATED_AT: 1, f.ID: 1}}),
-        "list_worker": ("", {"filter": {f"{f.WORKERS}.{f.WORKER_ID}": "w3"}, "sort": {f.CREATED_AT: 1, f.ID: 1},
-                             "limit": 50}),
+        "candidates": (
+            "",
+            {"filter": {f.STATE: {"$in": list(rules.ACTIVE)}}, "sort": {f.KEY: 1}, "limit": 500},
+        ),
+        "candidates_after": (
+            "",
+            {
+                "filter": {f.STATE: {"$in": list(rules.ACTIVE)}, f.KEY: {"$gt": "todo:"}},
+                "sort": {f.KEY: 1},
+                "limit": 500,
+            },
+        ),
+        "list_pending": (
+            "",
+            {"filter": {f.STATE: TaskState.PENDING.value}, "sort": {f.CREATED_AT: 1, f.ID: 1}},
+        ),
+        "list_name_state": (
+            "",
+            {
+                "filter": {f.NAME: "noop", f.STATE: TaskState.PENDING.value},
+                "sort": {f.CREATED_AT: 1, f.ID: 1},
+            },
+        ),
+        "list_worker": (
+            "",
+            {"filter": {f"{f.WORKERS}.{f.WORKER_ID}": "w3"}, "sort": {f.CREATED_AT: 1, f.ID: 1}, "limit": 50},
+        ),
         "purge": ("", {"filter": x.purge_filter([TaskState.SUCCESS.value], 7 * 86_400_000)}),
-        "registry_live": (f".{f.REGISTRY_SUFFIX}", {"filter": {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]},
-                                                          f.EXPIRES_AT: {"$type": "date"}}, "sort": {f.ID: 1}}),
-    }  # fmt: skip
+        "registry_live": (
+            f".{f.REGISTRY_SUFFIX}",
+            {
+                "filter": {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": "date"}},
+                "sort": {f.ID: 1},
+            },
+        ),
+    }
 
 
 def run(uri: str, finished: int, pending: int) -> dict[str, Any]:
@@ -157,10 +221,15 @@ def run(uri: str, finished: int, pending: int) -> dict[str, Any]:
         registry.drop()
         client.close()
     return {
-        "bench": "explain", "server": server, "finished": finished, "pending": pending, "plans": plans,
+        "bench": "explain",
+        "server": server,
+        "finished": finished,
+        "pending": pending,
+        "plans": plans,
         "all_ixscan": all(p["ixscan"] for p in plans.values()),
-        "machine": f"{platform.machine()} {platform.python_version()}", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }  # fmt: skip
+        "machine": f"{platform.machine()} {platform.python_version()}",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def main() -> None:

@@ -91,9 +91,17 @@ async def measure(k: int, window: float, concurrency: int) -> dict[str, Any]:
         # Long enough to outlast claiming (K claims) and the window: no finish write is counted.
         seconds = 10 + 2 * window
         await app.publish_many(
-            [{"name": "sleep", "params": {"seconds": seconds}, "key": f"t{i:03}",
-              "ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT} for i in range(k)]
-        )  # fmt: skip
+            [
+                {
+                    "name": "sleep",
+                    "params": {"seconds": seconds},
+                    "key": f"t{i:03}",
+                    "ping_interval": PING_INTERVAL,
+                    "ping_timeout": PING_TIMEOUT,
+                }
+                for i in range(k)
+            ]
+        )
         await all_running(app, k, within=30)
         counter.reset()
         statements.reset()
@@ -131,8 +139,13 @@ def main() -> None:
     configure_logging("console", "error")
     for k in args.in_flight:
         figures = asyncio.run(measure(k, args.window, args.concurrency))
-        emit("heartbeat", {"in_flight": k, "ping_interval": PING_INTERVAL}, figures, results=args.results,
-             smoke=args.smoke)  # fmt: skip
+        emit(
+            "heartbeat",
+            {"in_flight": k, "ping_interval": PING_INTERVAL},
+            figures,
+            results=args.results,
+            smoke=args.smoke,
+        )
 
 
 if __name__ == "__main__":

@@ -86,10 +86,12 @@ def figures(latencies: list[float], to_claim: list[float] | None = None) -> dict
     ms = [1000 * s for s in latencies]
     result: dict[str, Any] = {
         "tasks": len(ms),
-        "p50_ms": round(percentile(ms, 50), 1), "p90_ms": round(percentile(ms, 90), 1),
-        "p99_ms": round(percentile(ms, 99), 1), "max_ms": round(max(ms), 1),
+        "p50_ms": round(percentile(ms, 50), 1),
+        "p90_ms": round(percentile(ms, 90), 1),
+        "p99_ms": round(percentile(ms, 99), 1),
+        "max_ms": round(max(ms), 1),
         "latencies_ms": [round(v, 1) for v in ms],
-    }  # fmt: skip
+    }
     if to_claim is not None:
         result["to_claim_p50_ms"] = round(1000 * statistics.median(to_claim), 1)
     return result

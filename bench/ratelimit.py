@@ -68,8 +68,13 @@ async def run_once(
             for worker in names:
                 for event in procs.events(worker, "gate round trips"):
                     gates.update({k: v for k, v in event.items() if isinstance(v, int)})
-    return {"tasks": found, "commands": sum(commands.values()), "jobs": dict(jobs), "gates": dict(gates),
-            "seconds": round(elapsed, 2)}  # fmt: skip
+    return {
+        "tasks": found,
+        "commands": sum(commands.values()),
+        "jobs": dict(jobs),
+        "gates": dict(gates),
+        "seconds": round(elapsed, 2),
+    }
 
 
 def most_in_window(starts: list[float], period: float) -> int:
@@ -78,8 +83,13 @@ def most_in_window(starts: list[float], period: float) -> int:
 
 
 def most_at_once(tasks: list[Task]) -> int:
-    edges = sorted((t, step) for task in tasks for e in task.workers if e.finished_at
-                   for t, step in ((e.claimed_at.timestamp(), 1), (e.finished_at.timestamp(), -1)))  # fmt: skip
+    edges = sorted(
+        (t, step)
+        for task in tasks
+        for e in task.workers
+        if e.finished_at
+        for t, step in ((e.claimed_at.timestamp(), 1), (e.finished_at.timestamp(), -1))
+    )
     running = best = 0
     for _, step in edges:
         running += step
@@ -151,8 +161,15 @@ async def main(args: argparse.Namespace) -> None:
     with dev_server() as uri:
         for run in range(args.rounds):
             figures = await measure(uri, args, run)
-            config = {"workers": args.workers, "tasks": args.tasks, "rate": args.rate, "hog": args.hog,
-                      "max_running": args.max_running, "held_tasks": args.held_tasks, "hold": args.hold}  # fmt: skip
+            config = {
+                "workers": args.workers,
+                "tasks": args.tasks,
+                "rate": args.rate,
+                "hog": args.hog,
+                "max_running": args.max_running,
+                "held_tasks": args.held_tasks,
+                "hold": args.hold,
+            }
             emit("ratelimit", config, figures, results=args.results, smoke=args.smoke)
 
 

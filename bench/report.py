@@ -56,8 +56,11 @@ class Group:
         keys = sorted({k for r in self.runs if isinstance(r.get(figure), dict) for k in r[figure]})
         out = {}
         for key in keys:
-            values = [r[figure][key] for r in self.runs if isinstance(r.get(figure), dict)
-                      and isinstance(r[figure].get(key), int | float)]  # fmt: skip
+            values = [
+                r[figure][key]
+                for r in self.runs
+                if isinstance(r.get(figure), dict) and isinstance(r[figure].get(key), int | float)
+            ]
             if values:
                 out[key] = statistics.median(values)
         return out
@@ -186,8 +189,13 @@ def target_rows(r: Report) -> list[list[str]]:
     unbatched = [g for g in r.groups("roundtrips") if not g.get("batching")]
     if unbatched:
         measured = worst(unbatched, "worker_writes_per_task")
-        rows.append(["(for comparison, no target) claim batching off, `--batch 1`",
-                     f"{fmt(measured)} (all commands: {fmt(worst(unbatched, 'roundtrips_per_task'))})", "-"])  # fmt: skip
+        rows.append(
+            [
+                "(for comparison, no target) claim batching off, `--batch 1`",
+                f"{fmt(measured)} (all commands: {fmt(worst(unbatched, 'roundtrips_per_task'))})",
+                "-",
+            ]
+        )
     storm = [g for g in r.groups("claim_storm") if g.get("workers") == 16]
     row("claim attempts per claim ≤ 1.3 with 16 workers", worst(storm, "attempts_per_claim"), 1.3, "")
     stream = [g for g in r.groups("pickup") if g.get("mode") == "stream"]
@@ -198,40 +206,73 @@ def target_rows(r: Report) -> list[list[str]]:
     note = f"ms (worst over concurrency; engine alone: {fmt(engine, 3)})" if engine is not None else "ms"
     row("worker CPU ≤ 0.3 ms per no-op task", worst(cpu, "cpu_ms_per_task"), 0.3, note, digits=3)
     beat = [g for g in r.groups("heartbeat") if g.get("in_flight") == 50]
-    row("heartbeat ≈ 1 write per interval at 50 in flight (≤ 1.5)", worst(beat, "writes_per_interval"), 1.5,
-        "")  # fmt: skip
+    row(
+        "heartbeat ≈ 1 write per interval at 50 in flight (≤ 1.5)",
+        worst(beat, "writes_per_interval"),
+        1.5,
+        "",
+    )
     return rows
 
 
 def targets(r: Report) -> None:
-    r.add("## Targets", "",
-          "Round trips per task count the **worker side: claim + heartbeats + finish** "
-          "(`worker_writes_per_task`), as the issue does; all worker commands (discovery, "
-          "registry, clock too: `roundtrips_per_task`) are shown next to it. "
-          "Each measured value is the worst configuration's median. Claim batching is on by "
-          "default (`taskrunner worker --batch 32`), so both round-trip targets are judged on the "
-          "default settings, with 300 tasks published at once (the load); with `--batch 1` every "
-          "claim takes one task, while outcomes and lease renewals are still group-committed.", "")  # fmt: skip
+    r.add(
+        "## Targets",
+        "",
+        "Round trips per task count the **worker side: claim + heartbeats + finish** "
+        "(`worker_writes_per_task`), as the issue does; all worker commands (discovery, "
+        "registry, clock too: `roundtrips_per_task`) are shown next to it. "
+        "Each measured value is the worst configuration's median. Claim batching is on by "
+        "default (`taskrunner worker --batch 32`), so both round-trip targets are judged on the "
+        "default settings, with 300 tasks published at once (the load); with `--batch 1` every "
+        "claim takes one task, while outcomes and lease renewals are still group-committed.",
+        "",
+    )
     r.add(*table(["target", "measured (median)", "met?"], target_rows(r)))
 
 
 # -- sections -----------------------------------------------------------------------------
 def roundtrips(r: Report) -> None:
-    r.add("", "## Round trips per task", "",
-          "In-process workers on the embedded server, 300 no-op tasks published in one write; "
-          "commands counted by a PyMongo listener on each worker's client.")  # fmt: skip
+    r.add(
+        "",
+        "## Round trips per task",
+        "",
+        "In-process workers on the embedded server, 300 no-op tasks published in one write; "
+        "commands counted by a PyMongo listener on each worker's client.",
+    )
     gs = r.groups("roundtrips", key=lambda g: (bool(g.get("batching")), numeric(g.get("workers"))))
     baseline = r.groups("throughput", key=lambda g: numeric(g.get("workers")))
     baseline = [g for g in baseline if g.get("system") == "baseline"]
     if not gs and not baseline:
         r.not_run("roundtrips")
         return
-    rows = [[fmt(g.get("workers"), 0), fmt(g.get("concurrency"), 0), "on" if g.get("batching") else "off",
-             fmt(g.median("worker_writes_per_task"), 3), fmt(g.median("roundtrips_per_task"), 3),
-             ", ".join(f"{k} {fmt(v, 3)}" for k, v in g.median_dict("per_task_by_job").items()), str(g.n)]
-            for g in gs]  # fmt: skip
-    r.add("", *table(["workers", "concurrency", "batching", "worker writes/task (claim+ping+finish)",
-                      "all commands/task", "by job", "n"], rows))  # fmt: skip
+    rows = [
+        [
+            fmt(g.get("workers"), 0),
+            fmt(g.get("concurrency"), 0),
+            "on" if g.get("batching") else "off",
+            fmt(g.median("worker_writes_per_task"), 3),
+            fmt(g.median("roundtrips_per_task"), 3),
+            ", ".join(f"{k} {fmt(v, 3)}" for k, v in g.median_dict("per_task_by_job").items()),
+            str(g.n),
+        ]
+        for g in gs
+    ]
+    r.add(
+        "",
+        *table(
+            [
+                "workers",
+                "concurrency",
+                "batching",
+                "worker writes/task (claim+ping+finish)",
+                "all commands/task",
+                "by job",
+                "n",
+            ],
+            rows,
+        ),
+    )
 
     def draw(ax: Any) -> None:
         for (batching, conc), lines in split(gs, lambda g: (bool(g.get("batching")), g.get("concurrency"))):
@@ -243,8 +284,10 @@ def roundtrips(r: Report) -> None:
         ax.set(xlabel="workers", ylabel="round trips per task", ylim=(0, None))
 
     r.plot("roundtrips", "Round trips per task vs workers", draw)
-    r.command("uv run python bench/roundtrips.py --workers 1,2,4,8",
-              "uv run python bench/roundtrips.py --workers 1,2,4,8 --no-batching")  # fmt: skip
+    r.command(
+        "uv run python bench/roundtrips.py --workers 1,2,4,8",
+        "uv run python bench/roundtrips.py --workers 1,2,4,8 --no-batching",
+    )
 
 
 Lines = list[tuple[tuple[Any, ...], list[Group]]]
@@ -265,14 +308,27 @@ def line(ax: Any, groups: list[Group], x: str, y: str, label: str, style: str) -
 
 
 def claim_storm(r: Report) -> None:
-    r.add("", "## Claim attempts per claim", "",
-          "N idle in-process workers on the embedded server; tasks published one at a time, "
-          "so every worker sees each insert event while idle (the stampede case).")  # fmt: skip
+    r.add(
+        "",
+        "## Claim attempts per claim",
+        "",
+        "N idle in-process workers on the embedded server; tasks published one at a time, "
+        "so every worker sees each insert event while idle (the stampede case).",
+    )
     if r.not_run("claim_storm"):
         return
     gs = r.groups("claim_storm", key=lambda g: numeric(g.get("workers")))
-    rows = [[fmt(g.get("workers"), 0), fmt(g.median("attempts_per_claim"), 3), fmt(g.median("claims"), 0),
-             fmt(g.median("pickup_p50_ms"), 1), fmt(g.median("pickup_max_ms"), 1), str(g.n)] for g in gs]  # fmt: skip
+    rows = [
+        [
+            fmt(g.get("workers"), 0),
+            fmt(g.median("attempts_per_claim"), 3),
+            fmt(g.median("claims"), 0),
+            fmt(g.median("pickup_p50_ms"), 1),
+            fmt(g.median("pickup_max_ms"), 1),
+            str(g.n),
+        ]
+        for g in gs
+    ]
     header = ["workers", "attempts per claim", "claims", "pickup p50 ms", "pickup max ms", "n"]
     r.add("", *table(header, rows))
 
@@ -290,41 +346,81 @@ def label(config: dict[str, Any]) -> str:
 
 
 def pickup(r: Report) -> None:
-    r.add("", "## Pickup latency", "",
-          "Publish to handler start with one idle `taskrunner worker` process; the CDF pools the "
-          "latest runs' latencies, the table shows medians of their percentiles.")  # fmt: skip
+    r.add(
+        "",
+        "## Pickup latency",
+        "",
+        "Publish to handler start with one idle `taskrunner worker` process; the CDF pools the "
+        "latest runs' latencies, the table shows medians of their percentiles.",
+    )
     if r.not_run("pickup"):
         return
     gs = r.groups("pickup", key=lambda g: label(g.config))
-    rows = [[label(g.config), fmt(g.median("p50_ms"), 1), fmt(g.median("p90_ms"), 1), fmt(g.median("p99_ms"), 1),
-             fmt(g.median("max_ms"), 1), fmt(g.median("to_claim_p50_ms"), 1), str(len(g.pooled("latencies_ms"))),
-             str(g.n)] for g in gs]  # fmt: skip
-    r.add("", *table(["config", "p50 ms", "p90 ms", "p99 ms", "max ms", "created→claimed p50 ms", "tasks", "n"],
-                     rows))  # fmt: skip
+    rows = [
+        [
+            label(g.config),
+            fmt(g.median("p50_ms"), 1),
+            fmt(g.median("p90_ms"), 1),
+            fmt(g.median("p99_ms"), 1),
+            fmt(g.median("max_ms"), 1),
+            fmt(g.median("to_claim_p50_ms"), 1),
+            str(len(g.pooled("latencies_ms"))),
+            str(g.n),
+        ]
+        for g in gs
+    ]
+    r.add(
+        "",
+        *table(
+            ["config", "p50 ms", "p90 ms", "p99 ms", "max ms", "created→claimed p50 ms", "tasks", "n"], rows
+        ),
+    )
 
     def draw(ax: Any) -> None:
         for g in gs:
             values = sorted(g.pooled("latencies_ms"))
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                        label=label(g.config))  # fmt: skip
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    label=label(g.config),
+                )
         ax.set(xscale="log", xlabel="pickup latency (ms, log scale)", ylabel="fraction of tasks")
 
     r.plot("pickup", "Pickup latency CDF", draw)
-    r.command("uv run python bench/pickup.py --mode stream", "uv run python bench/pickup.py --mode polling",
-              "uv run python bench/baseline.py")  # fmt: skip
+    r.command(
+        "uv run python bench/pickup.py --mode stream",
+        "uv run python bench/pickup.py --mode polling",
+        "uv run python bench/baseline.py",
+    )
 
 
 def throughput(r: Report) -> None:
-    r.add("", "## Throughput", "",
-          "No-op tasks per second through N `taskrunner worker` processes with C slots each "
-          "(and the naive baseline worker), embedded server.")  # fmt: skip
+    r.add(
+        "",
+        "## Throughput",
+        "",
+        "No-op tasks per second through N `taskrunner worker` processes with C slots each "
+        "(and the naive baseline worker), embedded server.",
+    )
     if r.not_run("throughput"):
         return
-    gs = r.groups("throughput", key=lambda g: (str(g.get("system")), numeric(g.get("concurrency")),
-                                                numeric(g.get("workers"))))  # fmt: skip
-    rows = [[str(g.get("system")), fmt(g.get("workers"), 0), fmt(g.get("concurrency"), 0),
-             fmt(g.median("tasks_per_s"), 1), fmt(g.median("roundtrips_per_task"), 3), str(g.n)] for g in gs]  # fmt: skip
+    gs = r.groups(
+        "throughput",
+        key=lambda g: (str(g.get("system")), numeric(g.get("concurrency")), numeric(g.get("workers"))),
+    )
+    rows = [
+        [
+            str(g.get("system")),
+            fmt(g.get("workers"), 0),
+            fmt(g.get("concurrency"), 0),
+            fmt(g.median("tasks_per_s"), 1),
+            fmt(g.median("roundtrips_per_task"), 3),
+            str(g.n),
+        ]
+        for g in gs
+    ]
     r.add("", *table(["system", "workers", "concurrency", "tasks/s", "round trips/task", "n"], rows))
 
     def draw(ax: Any) -> None:
@@ -334,76 +430,130 @@ def throughput(r: Report) -> None:
         ax.set(xlabel="workers", ylabel="tasks per second", ylim=(0, None))
 
     r.plot("throughput", "Throughput vs workers and concurrency", draw)
-    r.command("uv run python bench/throughput.py --workers 1,2,4 --concurrency 1,4,16",
-              "uv run python bench/baseline.py")  # fmt: skip
+    r.command(
+        "uv run python bench/throughput.py --workers 1,2,4 --concurrency 1,4,16",
+        "uv run python bench/baseline.py",
+    )
 
 
 def round_ratio(mine: Group, other: Group, figure: str) -> float | None:
     """Median of mine/other over runs taken side by side (the i-th latest run of each: a
     round of bench/versus.py runs both systems one after the other)."""
-    ratios = [a[figure] / b[figure] for a, b in zip(mine.runs, other.runs, strict=False)
-              if isinstance(a.get(figure), int | float) and isinstance(b.get(figure), int | float) and b[figure]]  # fmt: skip
+    ratios = [
+        a[figure] / b[figure]
+        for a, b in zip(mine.runs, other.runs, strict=False)
+        if isinstance(a.get(figure), int | float) and isinstance(b.get(figure), int | float) and b[figure]
+    ]
     return statistics.median(ratios) if ratios else None
 
 
 def versus_rows(gs: list[Group]) -> list[list[str]]:
     by = {(g.get("system"), g.get("workers"), g.get("publish"), bool(g.get("hog"))): g for g in gs}
     rows = []
-    for (system, workers, publish, hog), g in sorted(by.items(), key=lambda kv: (str(kv[0][2]), kv[0][3],
-                                                                                 numeric(kv[0][1]))):  # fmt: skip
+    for (system, workers, publish, hog), g in sorted(
+        by.items(), key=lambda kv: (str(kv[0][2]), kv[0][3], numeric(kv[0][1]))
+    ):
         loop = by.get(("loop", workers, publish, hog))
         if system != "taskrunner" or loop is None:
             continue
-        rows.append([str(publish), "yes" if hog else "no", fmt(workers, 0), fmt(g.median("tasks_per_s"), 1),
-                     fmt(loop.median("tasks_per_s"), 1), fmt(round_ratio(g, loop, "tasks_per_s")),
-                     f"{fmt(g.median('pickup_p50_ms'), 0)} / {fmt(g.median('pickup_p95_ms'), 0)}",
-                     f"{fmt(loop.median('pickup_p50_ms'), 0)} / {fmt(loop.median('pickup_p95_ms'), 0)}",
-                     fmt(g.median("commands_per_task")), fmt(loop.median("commands_per_task")),
-                     fmt(g.median("claim_attempts_per_claim")), fmt(g.median("events_per_task_per_worker")),
-                     fmt(g.median("getmores_per_task_per_worker")), str(min(g.n, loop.n))])  # fmt: skip
+        rows.append(
+            [
+                str(publish),
+                "yes" if hog else "no",
+                fmt(workers, 0),
+                fmt(g.median("tasks_per_s"), 1),
+                fmt(loop.median("tasks_per_s"), 1),
+                fmt(round_ratio(g, loop, "tasks_per_s")),
+                f"{fmt(g.median('pickup_p50_ms'), 0)} / {fmt(g.median('pickup_p95_ms'), 0)}",
+                f"{fmt(loop.median('pickup_p50_ms'), 0)} / {fmt(loop.median('pickup_p95_ms'), 0)}",
+                fmt(g.median("commands_per_task")),
+                fmt(loop.median("commands_per_task")),
+                fmt(g.median("claim_attempts_per_claim")),
+                fmt(g.median("events_per_task_per_worker")),
+                fmt(g.median("getmores_per_task_per_worker")),
+                str(min(g.n, loop.n)),
+            ]
+        )
     return rows
 
 
 def versus(r: Report) -> None:
-    r.add("", "## Side by side: taskrunner and the hand-rolled loop", "",
-          "One embedded server; for each worker count, W `taskrunner worker --concurrency 1` processes "
-          "and W processes of the hand-rolled `find_one_and_update` loop (bench/baseline_worker.py, "
-          "100 ms idle sleep) take turns on fresh collections; 300 no-op tasks published one at a time "
-          "(`one`) or in one call (`many`); `hog`: two spinning processes keep both cores busy. "
-          "Ratio: the median over rounds of taskrunner/loop within the same round. Commands per task "
-          "count everything the worker processes sent (getMores, registry, sweeps, idle polling).")  # fmt: skip
+    r.add(
+        "",
+        "## Side by side: taskrunner and the hand-rolled loop",
+        "",
+        "One embedded server; for each worker count, W `taskrunner worker --concurrency 1` processes "
+        "and W processes of the hand-rolled `find_one_and_update` loop (bench/baseline_worker.py, "
+        "100 ms idle sleep) take turns on fresh collections; 300 no-op tasks published one at a time "
+        "(`one`) or in one call (`many`); `hog`: two spinning processes keep both cores busy. "
+        "Ratio: the median over rounds of taskrunner/loop within the same round. Commands per task "
+        "count everything the worker processes sent (getMores, registry, sweeps, idle polling).",
+    )
     if r.not_run("versus"):
         return
     gs = r.groups("versus")
-    r.add("", *table(["publish", "hog", "workers", "taskrunner tasks/s", "loop tasks/s", "ratio",
-                      "taskrunner pickup p50/p95 ms", "loop pickup p50/p95 ms", "taskrunner cmds/task",
-                      "loop cmds/task", "claims/task", "events/task/worker", "getMores/task/worker", "n"],
-                     versus_rows(gs)))  # fmt: skip
+    r.add(
+        "",
+        *table(
+            [
+                "publish",
+                "hog",
+                "workers",
+                "taskrunner tasks/s",
+                "loop tasks/s",
+                "ratio",
+                "taskrunner pickup p50/p95 ms",
+                "loop pickup p50/p95 ms",
+                "taskrunner cmds/task",
+                "loop cmds/task",
+                "claims/task",
+                "events/task/worker",
+                "getMores/task/worker",
+                "n",
+            ],
+            versus_rows(gs),
+        ),
+    )
 
     def draw(ax: Any) -> None:
-        for (system, publish, hog), lines in split(gs, lambda g: (g.get("system"), g.get("publish"),
-                                                                   bool(g.get("hog")))):  # fmt: skip
+        for (system, publish, hog), lines in split(
+            gs, lambda g: (g.get("system"), g.get("publish"), bool(g.get("hog")))
+        ):
             style = ("-" if system == "taskrunner" else "--") + ("s" if hog else "o")
             line(ax, lines, "workers", "tasks_per_s", f"{system}, {publish}{', hog' if hog else ''}", style)
         ax.set(xlabel="worker processes", ylabel="tasks per second", ylim=(0, None))
 
     r.plot("versus", "taskrunner and the hand-rolled loop vs worker processes", draw)
-    r.command("uv run python bench/versus.py --workers 4,8,16 --publish one",
-              "uv run python bench/versus.py --workers 4,8,16 --publish many",
-              "uv run python bench/versus.py --workers 4,8,16 --publish one --hog")  # fmt: skip
+    r.command(
+        "uv run python bench/versus.py --workers 4,8,16 --publish one",
+        "uv run python bench/versus.py --workers 4,8,16 --publish many",
+        "uv run python bench/versus.py --workers 4,8,16 --publish one --hog",
+    )
 
 
 def idle(r: Report) -> None:
-    r.add("", "## Idle cost", "",
-          "W idle `taskrunner worker` processes after a few tasks: server commands per second per "
-          "worker (the difference between a short and a long idle run, so start-up cancels out), by "
-          "job; claims attempted while idle (from the workers' debug logs).")  # fmt: skip
+    r.add(
+        "",
+        "## Idle cost",
+        "",
+        "W idle `taskrunner worker` processes after a few tasks: server commands per second per "
+        "worker (the difference between a short and a long idle run, so start-up cancels out), by "
+        "job; claims attempted while idle (from the workers' debug logs).",
+    )
     if r.not_run("idle"):
         return
     gs = r.groups("idle", key=lambda g: (str(g.get("mode")), numeric(g.get("workers"))))
-    rows = [[str(g.get("mode")), fmt(g.get("workers"), 0), fmt(g.median("commands_per_s_per_worker")),
-             ", ".join(f"{k} {fmt(v)}" for k, v in g.median_dict("by_job").items()),
-             fmt(g.median("idle_claims"), 0), str(g.n)] for g in gs]  # fmt: skip
+    rows = [
+        [
+            str(g.get("mode")),
+            fmt(g.get("workers"), 0),
+            fmt(g.median("commands_per_s_per_worker")),
+            ", ".join(f"{k} {fmt(v)}" for k, v in g.median_dict("by_job").items()),
+            fmt(g.median("idle_claims"), 0),
+            str(g.n),
+        ]
+        for g in gs
+    ]
     r.add(
         "",
         *table(["discovery", "workers", "commands/s per worker", "by job", "claims while idle", "n"], rows),
@@ -412,13 +562,25 @@ def idle(r: Report) -> None:
 
 
 def takeover(r: Report) -> None:
-    r.add("", "## Takeover time", "",
-          "Seconds from signalling the worker that runs a task until another worker has claimed it.")  # fmt: skip
+    r.add(
+        "",
+        "## Takeover time",
+        "",
+        "Seconds from signalling the worker that runs a task until another worker has claimed it.",
+    )
     if r.not_run("takeover"):
         return
     gs = r.groups("takeover", key=lambda g: label(g.config))
-    rows = [[label(g.config), fmt(g.median("median_s")), fmt(g.median("max_s")),
-             str(len(g.pooled("samples"))), str(g.n)] for g in gs]  # fmt: skip
+    rows = [
+        [
+            label(g.config),
+            fmt(g.median("median_s")),
+            fmt(g.median("max_s")),
+            str(len(g.pooled("samples"))),
+            str(g.n),
+        ]
+        for g in gs
+    ]
     r.add("", *table(["config", "median s", "max s", "samples", "n"], rows))
 
     def draw(ax: Any) -> None:
@@ -433,30 +595,58 @@ def takeover(r: Report) -> None:
 
 
 def cpu(r: Report) -> None:
-    r.add("", "## Worker CPU per task", "",
-          "One in-process worker and the in-memory store, N no-op tasks published before the "
-          "timer starts; process CPU time per task. The store share stands in for the server "
-          "(the in-memory store copies every document it hands out).")  # fmt: skip
+    r.add(
+        "",
+        "## Worker CPU per task",
+        "",
+        "One in-process worker and the in-memory store, N no-op tasks published before the "
+        "timer starts; process CPU time per task. The store share stands in for the server "
+        "(the in-memory store copies every document it hands out).",
+    )
     if r.not_run("cpu"):
         return
     gs = r.groups("cpu", key=lambda g: numeric(g.get("concurrency")))
-    rows = [[fmt(g.get("concurrency"), 0), fmt(g.median("tasks"), 0), fmt(g.median("cpu_ms_per_task"), 3),
-             fmt(g.median("engine_ms_per_task"), 3), fmt(g.median("store_ms_per_task"), 3),
-             fmt(g.median("tasks_per_s"), 0), str(g.n)] for g in gs]  # fmt: skip
-    r.add("", *table(["concurrency", "tasks", "CPU ms/task", "engine ms/task", "store ms/task", "tasks/s", "n"],
-                     rows))  # fmt: skip
+    rows = [
+        [
+            fmt(g.get("concurrency"), 0),
+            fmt(g.median("tasks"), 0),
+            fmt(g.median("cpu_ms_per_task"), 3),
+            fmt(g.median("engine_ms_per_task"), 3),
+            fmt(g.median("store_ms_per_task"), 3),
+            fmt(g.median("tasks_per_s"), 0),
+            str(g.n),
+        ]
+        for g in gs
+    ]
+    r.add(
+        "",
+        *table(
+            ["concurrency", "tasks", "CPU ms/task", "engine ms/task", "store ms/task", "tasks/s", "n"], rows
+        ),
+    )
     r.command("uv run python bench/cpu.py --concurrency 10,50 --tasks 3000")
 
 
 def heartbeat(r: Report) -> None:
-    r.add("", "## Heartbeat writes", "",
-          "One in-process worker with K long tasks running (ping interval 0.5 s); writes on the "
-          "tasks collection (`update` + `findAndModify`) counted over 4 s, per ping interval.")  # fmt: skip
+    r.add(
+        "",
+        "## Heartbeat writes",
+        "",
+        "One in-process worker with K long tasks running (ping interval 0.5 s); writes on the "
+        "tasks collection (`update` + `findAndModify`) counted over 4 s, per ping interval.",
+    )
     if r.not_run("heartbeat"):
         return
     gs = r.groups("heartbeat", key=lambda g: numeric(g.get("in_flight")))
-    rows = [[fmt(g.get("in_flight"), 0), fmt(g.median("writes_per_interval")),
-             fmt(g.median("statements_per_interval")), str(g.n)] for g in gs]  # fmt: skip
+    rows = [
+        [
+            fmt(g.get("in_flight"), 0),
+            fmt(g.median("writes_per_interval")),
+            fmt(g.median("statements_per_interval")),
+            str(g.n),
+        ]
+        for g in gs
+    ]
     r.add("", *table(["in flight", "writes per interval", "documents per interval", "n"], rows))
 
     def draw(ax: Any) -> None:
@@ -480,20 +670,26 @@ def machines(r: Report) -> None:
     for raw in seen:
         m = json.loads(raw)
         if isinstance(m, dict):
-            r.add(f"- {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, {m.get('os')}; "
-                  f"Python {m.get('python')}, pymongo {m.get('pymongo')}, mongoeco {m.get('mongoeco')}, "
-                  f"taskrunner {m.get('taskrunner')}")  # fmt: skip
+            r.add(
+                f"- {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, {m.get('os')}; "
+                f"Python {m.get('python')}, pymongo {m.get('pymongo')}, mongoeco {m.get('mongoeco')}, "
+                f"taskrunner {m.get('taskrunner')}"
+            )
         else:
             r.add(f"- {m}")
 
 
 def render(results: Path, out: Path, *, smoke: bool = False) -> Report:
     r = Report(out, group(load(results, smoke=smoke)))
-    r.add("# Benchmarks", "",
-          f"Generated by `uv run python bench/report.py` from `{results.name}`: per benchmark and "
-          f"configuration, the median of the latest {LATEST} runs (n = runs used). Run every benchmark "
-          "with `uv run python bench/suite.py` (3 runs each, then this report). The result lines "
-          "used are kept in [benchmarks/results.jsonl](benchmarks/results.jsonl).", "")  # fmt: skip
+    r.add(
+        "# Benchmarks",
+        "",
+        f"Generated by `uv run python bench/report.py` from `{results.name}`: per benchmark and "
+        f"configuration, the median of the latest {LATEST} runs (n = runs used). Run every benchmark "
+        "with `uv run python bench/suite.py` (3 runs each, then this report). The result lines "
+        "used are kept in [benchmarks/results.jsonl](benchmarks/results.jsonl).",
+        "",
+    )
     targets(r)
     notes = HERE / "notes.md"  # hand-written reading of the numbers, kept next to the scripts
     if notes.exists():
@@ -523,8 +719,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=HERE / "results.jsonl")
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
-    parser.add_argument("--include-smoke", action="store_true",
-                        help="use smoke lines too (bench/suite.py --smoke checks the rendering with them)")  # fmt: skip
+    parser.add_argument(
+        "--include-smoke",
+        action="store_true",
+        help="use smoke lines too (bench/suite.py --smoke checks the rendering with them)",
+    )
     args = parser.parse_args()
     render(args.results, args.out, smoke=args.include_smoke)
     print(f"wrote {args.out} and its plots in {args.out.parent / 'benchmarks'}", file=sys.stderr)

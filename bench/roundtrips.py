@@ -66,10 +66,12 @@ async def measure(workers: int, tasks: int, concurrency: int, batch: int, settle
         fleet = [
             Worker(
                 app.copy(store=MongoStore.connect(server.uri, collection=COLLECTION, event_listeners=[c])),
-                worker_id=f"w{i:02}", concurrency=concurrency, batch=batch,
+                worker_id=f"w{i:02}",
+                concurrency=concurrency,
+                batch=batch,
             )
             for i, c in enumerate(counters)
-        ]  # fmt: skip
+        ]
         running = [asyncio.create_task(w.run()) for w in fleet]
         await asyncio.sleep(settle)  # startup scan, clock sync, first beats: reported apart
         startup = sum((Counter(c.reset()) for c in counters), Counter())
@@ -97,16 +99,22 @@ async def measure(workers: int, tasks: int, concurrency: int, batch: int, settle
         server_side: Any = "unsupported"
     else:
         delta = {k: after[k] - before.get(k, 0) for k in after}
-        server_side = {"server": delta, "clients": dict(sorted(statements.items())),
-                       "client_commands": total + bench_total}  # fmt: skip
+        server_side = {
+            "server": delta,
+            "clients": dict(sorted(statements.items())),
+            "client_commands": total + bench_total,
+        }
     return {
-        "tasks": tasks, "roundtrips": total, "roundtrips_per_task": round(total / tasks, 3),
+        "tasks": tasks,
+        "roundtrips": total,
+        "roundtrips_per_task": round(total / tasks, 3),
         "worker_writes_per_task": round(sum(by_job[j] for j in WORKER_WRITES) / tasks, 3),
         "per_task_by_command": {k: round(v / tasks, 3) for k, v in sorted(by_command.items())},
         "per_task_by_job": {k: round(v / tasks, 3) for k, v in sorted(by_job.items())},
         "startup_commands": dict(sorted(startup.items())),
-        "server_opcounters_delta": server_side, "seconds": round(elapsed, 2),
-    }  # fmt: skip
+        "server_opcounters_delta": server_side,
+        "seconds": round(elapsed, 2),
+    }
 
 
 def main() -> None:

@@ -84,8 +84,9 @@ def entry(task: Task, run_id: str) -> WorkerEntry:
 async def sample(fleet: Fleet, key: str, signame: str, args: argparse.Namespace) -> float:
     """Publish, signal the owner, wait for the other worker's claim; the takeover time."""
     runner = fleet.runner
-    await runner.publish("sleep", {"seconds": 60}, key=key,
-                         ping_interval=args.ping_interval, ping_timeout=args.ping_timeout)  # fmt: skip
+    await runner.publish(
+        "sleep", {"seconds": 60}, key=key, ping_interval=args.ping_interval, ping_timeout=args.ping_timeout
+    )
     # Polled gently: the document's server times, not this loop, time the takeover.
     owner: WorkerEntry = await wait_until(
         lambda: running(runner, key), 30, f"{key} to be claimed", interval=0.05
@@ -128,8 +129,11 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def figures(samples: list[float]) -> dict[str, Any]:
-    return {"samples": [round(s, 3) for s in samples], "median_s": round(statistics.median(samples), 3),
-            "max_s": round(max(samples), 3)}  # fmt: skip
+    return {
+        "samples": [round(s, 3) for s in samples],
+        "median_s": round(statistics.median(samples), 3),
+        "max_s": round(max(samples), 3),
+    }
 
 
 def main() -> None:

@@ -81,11 +81,13 @@ def throughput_figures(
     """The figures of one run (bench/baseline.py reports the same)."""
     per_task = {k: round(v / tasks, 3) for k, v in sorted(commands.items())}
     return {
-        "tasks": tasks, "seconds": round(seconds, 3), "tasks_per_s": round(tasks / seconds, 1),
+        "tasks": tasks,
+        "seconds": round(seconds, 3),
+        "tasks_per_s": round(tasks / seconds, 1),
         "roundtrips_per_task": round(sum(commands.values()) / tasks, 3),
         "roundtrips_per_task_by_command": per_task,
         "roundtrips_per_task_by_job": {k: round(v / tasks, 3) for k, v in sorted(jobs.items())},
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

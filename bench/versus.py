@@ -78,10 +78,12 @@ def cpu_hog(enabled: bool) -> Iterator[None]:
 
 def figures(tasks: int, seconds: float, pickups: list[float]) -> dict[str, Any]:
     return {
-        "tasks": tasks, "seconds": round(seconds, 3), "tasks_per_s": round(tasks / seconds, 1),
+        "tasks": tasks,
+        "seconds": round(seconds, 3),
+        "tasks_per_s": round(tasks / seconds, 1),
         "pickup_p50_ms": round(1000 * percentile(pickups, 50), 2),
         "pickup_p95_ms": round(1000 * percentile(pickups, 95), 2),
-    }  # fmt: skip
+    }
 
 
 async def stop_all(procs: Processes, names: list[str]) -> list[dict[str, Any]]:

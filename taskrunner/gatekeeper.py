@@ -158,9 +158,13 @@ class GateKeeper:
         return ready, later
 
     async def _admit(
-        self, gate: str, entries: list[Due], now: float,
-        ready: list[tuple[Due, Permit]], later: list[tuple[Due, float]],
-    ) -> None:  # fmt: skip
+        self,
+        gate: str,
+        entries: list[Due],
+        now: float,
+        ready: list[tuple[Due, Permit]],
+        later: list[tuple[Due, float]],
+    ) -> None:
         name = entries[0].name
         limit, lease = self.limits.get(name), self._leases.setdefault(gate, Lease())
         self._names[gate] = name
@@ -285,8 +289,9 @@ class GateKeeper:
     def _keep(self, lease: Lease, lanes: set[int], slots: set[int], until: datetime) -> None:
         lost = (set(lease.lanes) - lanes, set(lease.slots) - slots)
         if any(lost):
-            log.warning("lost lanes or running slots whose lease lapsed", lanes=sorted(lost[0]),
-                        slots=sorted(lost[1]))  # fmt: skip
+            log.warning(
+                "lost lanes or running slots whose lease lapsed", lanes=sorted(lost[0]), slots=sorted(lost[1])
+            )
         for i in list(lease.lanes):
             if i in lanes:
                 lease.lanes[i].until = until
@@ -414,5 +419,8 @@ def _utc(seconds: float) -> datetime:
 
 def describe(limit: Limit) -> dict[str, Any]:
     """A ``Limit`` as stored under ``declared`` in a limits document."""
-    return {f.RATE_LIMIT: str(limit.rate) if limit.rate else None, f.MAX_RUNNING: limit.max_running,
-            f.LIMIT_BY: limit.limit_by}  # fmt: skip
+    return {
+        f.RATE_LIMIT: str(limit.rate) if limit.rate else None,
+        f.MAX_RUNNING: limit.max_running,
+        f.LIMIT_BY: limit.limit_by,
+    }

@@ -179,8 +179,9 @@ class LimitWatch:
         self.problems = problems
         now = self.now()
         readable = [s for s in states.values() if isinstance(s, LimitState)]
-        self.gate_throttles = {t.gate: t.until.timestamp() for s in readable for t in s.throttled_gates
-                               if t.until > now}  # fmt: skip
+        self.gate_throttles = {
+            t.gate: t.until.timestamp() for s in readable for t in s.throttled_gates if t.until > now
+        }
         ends = [
             s.throttled_until for s in readable if s.throttled_until is not None and s.throttled_until > now
         ]

@@ -28,8 +28,26 @@ DEFAULT_HOST = "0.0.0.0"
 """Prometheus scrapes from another machine, so the endpoint listens on every interface."""
 
 PICKUP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-               300.0, 600.0, 1800.0, 3600.0)  # fmt: skip
+RUN_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
 
 
 class PrometheusObserver:
@@ -90,13 +108,19 @@ class PrometheusObserver:
             registry=reg,
         )
         self.run_seconds = Histogram(
-            "taskrunner_run_seconds", "Handler time of a run, whatever its outcome.", label,
-            buckets=RUN_BUCKETS, registry=reg,
-        )  # fmt: skip
+            "taskrunner_run_seconds",
+            "Handler time of a run, whatever its outcome.",
+            label,
+            buckets=RUN_BUCKETS,
+            registry=reg,
+        )
         self._by_outcome: dict[Outcome, Counter] = {
-            "success": self.successes, "failure": self.failures, "lost": self.lost, "released": self.releases,
+            "success": self.successes,
+            "failure": self.failures,
+            "lost": self.lost,
+            "released": self.releases,
             "snoozed": self.snoozes,
-        }  # fmt: skip
+        }
         for name in tasks:
             for counter in (self.claims, self.takeovers, *self._by_outcome.values()):
                 counter.labels(task=name)

@@ -75,8 +75,16 @@ class Schedule(BaseModel):
         return self._task(f"{self.id}@trigger-{iso(now)}", None)
 
     def _task(self, key: str, run_at: datetime | None) -> NewTask:
-        return NewTask.model_validate({"key": key, "name": self.name, "params": self.params,
-                                       "priority": self.priority, "options": self.options, "run_at": run_at})  # fmt: skip
+        return NewTask.model_validate(
+            {
+                "key": key,
+                "name": self.name,
+                "params": self.params,
+                "priority": self.priority,
+                "options": self.options,
+                "run_at": run_at,
+            }
+        )
 
 
 class ScheduleState(Schedule):
@@ -147,11 +155,20 @@ def declare(
         raise InvalidSchedule("catch_up", f"must be one of {', '.join(CATCH_UPS)}, not {catch_up!r}")
     if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) or max_catch_up < 1:
         raise InvalidSchedule("max_catch_up", f"must be a whole number >= 1, not {max_catch_up!r}")
-    spec = {"id": schedule_id if schedule_id is not None else name, "name": name, "params": params,
-            "priority": priority, "options": dict(options), "cron": recurrence.cron,
-            "every": recurrence.every.total_seconds() if recurrence.every else None,
-            "timezone": timezone, "catch_up": catch_up, "max_catch_up": max_catch_up,
-            "jitter": _seconds("jitter", jitter or 0), "grace": _seconds("grace", grace)}  # fmt: skip
+    spec = {
+        "id": schedule_id if schedule_id is not None else name,
+        "name": name,
+        "params": params,
+        "priority": priority,
+        "options": dict(options),
+        "cron": recurrence.cron,
+        "every": recurrence.every.total_seconds() if recurrence.every else None,
+        "timezone": timezone,
+        "catch_up": catch_up,
+        "max_catch_up": max_catch_up,
+        "jitter": _seconds("jitter", jitter or 0),
+        "grace": _seconds("grace", grace),
+    }
     try:
         return Schedule.model_validate(spec)
     except ValidationError as exc:
@@ -223,14 +240,21 @@ class Scheduler:
         if state.paused or since is None:
             return MAX_SLEEP
         lag = self.rank(schedule.id) * BACKUP_DELAY  # the owner fires first, others back it up
-        ticks = due(recurrence, since=since, now=now - timedelta(seconds=lag), catch_up=schedule.catch_up,
-                    max_catch_up=schedule.max_catch_up, grace=schedule.grace)  # fmt: skip
+        ticks = due(
+            recurrence,
+            since=since,
+            now=now - timedelta(seconds=lag),
+            catch_up=schedule.catch_up,
+            max_catch_up=schedule.max_catch_up,
+            grace=schedule.grace,
+        )
         if ticks:
             tasks = [schedule.task(tick) for tick in ticks]
             published = await self.store.publish(tasks)
             fired = ticks[-1]
-            recorded = await self.store.record_tick(schedule.id, state.last_tick, fired, tasks[-1].key,
-                                                    recurrence.after(now))  # fmt: skip
+            recorded = await self.store.record_tick(
+                schedule.id, state.last_tick, fired, tasks[-1].key, recurrence.after(now)
+            )
             created = [t.key for t in published if t.created]
             if created:
                 log.info("schedule fired", schedule=schedule.id, keys=created, recorded=recorded)

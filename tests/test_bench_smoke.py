@@ -20,8 +20,12 @@ def run_bench(script: str, *args: str, results: Path, env: dict[str, str] | None
     pytest.importorskip("mongoeco")
     done = subprocess.run(
         [sys.executable, str(BENCH / script), *args, "--results", str(results)],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip().splitlines()[-1]
     assert results.read_text().strip().splitlines()[-1] == line
@@ -60,9 +64,17 @@ def test_claim_storm_takes_a_list_of_worker_counts(tmp_path: Path) -> None:
     """``--workers 1,2`` prints and records one line per worker count."""
     results = tmp_path / "results.jsonl"
     run_bench(
-        "claim_storm.py", "--workers", "1,2", "--tasks", "2", "--gap", "0.02", "--settle", "0.3",
+        "claim_storm.py",
+        "--workers",
+        "1,2",
+        "--tasks",
+        "2",
+        "--gap",
+        "0.02",
+        "--settle",
+        "0.3",
         results=results,
-    )  # fmt: skip
+    )
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert [line["config"] for line in lines] == [{"workers": 1}, {"workers": 2}]
     assert all(line["claims"] == 2 for line in lines)
@@ -99,8 +111,16 @@ def test_pause_smoke(tmp_path: Path) -> None:
     assert len(result["lags_s"]) == 1 and result["max_s"] == max(result["lags_s"]) >= 0
 
 
-MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "os": "Linux", "python": "3.13.0",
-           "pymongo": "4.20.0", "mongoeco": "4.11.0", "taskrunner": "0.1.0"}  # fmt: skip
+MACHINE = {
+    "cpu": "Test CPU",
+    "cores": 2,
+    "memory_gib": 4.0,
+    "os": "Linux",
+    "python": "3.13.0",
+    "pymongo": "4.20.0",
+    "mongoeco": "4.11.0",
+    "taskrunner": "0.1.0",
+}
 
 
 def synthetic_lines() -> list[dict[str, Any]]:
@@ -108,51 +128,140 @@ def synthetic_lines() -> list[dict[str, Any]]:
     configs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     for workers in (1, 2, 4, 8):
         for batching in (True, False):
-            configs.append(("roundtrips", {"workers": workers, "concurrency": 10, "batching": batching},
-                            {"roundtrips_per_task": 2.5, "worker_writes_per_task": 1.1 if batching else 1.9,
-                             "per_task_by_job": {"claim_ping_finish": 1.5, "discovery": 0.5}}))  # fmt: skip
+            configs.append(
+                (
+                    "roundtrips",
+                    {"workers": workers, "concurrency": 10, "batching": batching},
+                    {
+                        "roundtrips_per_task": 2.5,
+                        "worker_writes_per_task": 1.1 if batching else 1.9,
+                        "per_task_by_job": {"claim_ping_finish": 1.5, "discovery": 0.5},
+                    },
+                )
+            )
     for workers in (2, 4, 8, 16):
-        configs.append(("claim_storm", {"workers": workers},
-                        {"claims": 30, "claim_attempts": 36, "attempts_per_claim": 1.2,
-                         "pickup_p50_ms": 14.0, "pickup_max_ms": 40.0}))  # fmt: skip
+        configs.append(
+            (
+                "claim_storm",
+                {"workers": workers},
+                {
+                    "claims": 30,
+                    "claim_attempts": 36,
+                    "attempts_per_claim": 1.2,
+                    "pickup_p50_ms": 14.0,
+                    "pickup_max_ms": 40.0,
+                },
+            )
+        )
     for mode in ("stream", "polling", "baseline-poll-100ms"):
-        configs.append(("pickup", {"mode": mode}, {"p50_ms": 9.0, "p90_ms": 12.0, "p99_ms": 50.0,
-                                                   "max_ms": 60.0, "latencies_ms": [5.0, 9.0, 50.0]}))  # fmt: skip
+        configs.append(
+            (
+                "pickup",
+                {"mode": mode},
+                {
+                    "p50_ms": 9.0,
+                    "p90_ms": 12.0,
+                    "p99_ms": 50.0,
+                    "max_ms": 60.0,
+                    "latencies_ms": [5.0, 9.0, 50.0],
+                },
+            )
+        )
     for system in ("taskrunner", "baseline"):
         for workers in (1, 2):
-            configs.append(("throughput", {"system": system, "workers": workers, "concurrency": 4},
-                            {"tasks_per_s": 100.0 * workers, "roundtrips_per_task": 3.0}))  # fmt: skip
+            configs.append(
+                (
+                    "throughput",
+                    {"system": system, "workers": workers, "concurrency": 4},
+                    {"tasks_per_s": 100.0 * workers, "roundtrips_per_task": 3.0},
+                )
+            )
     for sig in ("SIGKILL", "SIGTERM"):
-        configs.append(("takeover", {"signal": sig, "ping_timeout": 3},
-                        {"samples": [1.0, 2.0, 3.5], "median_s": 2.0, "max_s": 3.5}))  # fmt: skip
+        configs.append(
+            (
+                "takeover",
+                {"signal": sig, "ping_timeout": 3},
+                {"samples": [1.0, 2.0, 3.5], "median_s": 2.0, "max_s": 3.5},
+            )
+        )
     for concurrency in (10, 50):
-        configs.append(("cpu", {"store": "memory", "concurrency": concurrency},
-                        {"tasks": 3000, "cpu_ms_per_task": 0.25, "engine_ms_per_task": 0.125,
-                         "store_ms_per_task": 0.125, "wall_s": 2.0, "tasks_per_s": 1500.0}))  # fmt: skip
+        configs.append(
+            (
+                "cpu",
+                {"store": "memory", "concurrency": concurrency},
+                {
+                    "tasks": 3000,
+                    "cpu_ms_per_task": 0.25,
+                    "engine_ms_per_task": 0.125,
+                    "store_ms_per_task": 0.125,
+                    "wall_s": 2.0,
+                    "tasks_per_s": 1500.0,
+                },
+            )
+        )
     for k in (1, 10, 50):
-        configs.append(("heartbeat", {"in_flight": k, "ping_interval": 0.5},
-                        {"heartbeat_writes": 8, "intervals": 8.0, "writes_per_interval": 1.0,
-                         "statements": 8 * k, "statements_per_interval": float(k)}))  # fmt: skip
+        configs.append(
+            (
+                "heartbeat",
+                {"in_flight": k, "ping_interval": 0.5},
+                {
+                    "heartbeat_writes": 8,
+                    "intervals": 8.0,
+                    "writes_per_interval": 1.0,
+                    "statements": 8 * k,
+                    "statements_per_interval": float(k),
+                },
+            )
+        )
     for system, rate in (("taskrunner", 40.0), ("loop", 20.0)):
-        configs.append(("versus", {"system": system, "workers": 4, "publish": "one", "hog": False},
-                        {"tasks_per_s": rate, "pickup_p50_ms": 5.0, "pickup_p95_ms": 30.0,
-                         "commands_per_task": 2.0, "claim_attempts_per_claim": 1.0,
-                         "events_per_task_per_worker": 0.25, "getmores_per_task_per_worker": 0.25}))  # fmt: skip
-    configs.append(("idle", {"mode": "stream", "workers": 4},
-                    {"commands_per_s_per_worker": 1.5, "by_job": {"registry": 1.0, "discovery": 0.5},
-                     "idle_claims": 0}))  # fmt: skip
+        configs.append(
+            (
+                "versus",
+                {"system": system, "workers": 4, "publish": "one", "hog": False},
+                {
+                    "tasks_per_s": rate,
+                    "pickup_p50_ms": 5.0,
+                    "pickup_p95_ms": 30.0,
+                    "commands_per_task": 2.0,
+                    "claim_attempts_per_claim": 1.0,
+                    "events_per_task_per_worker": 0.25,
+                    "getmores_per_task_per_worker": 0.25,
+                },
+            )
+        )
+    configs.append(
+        (
+            "idle",
+            {"mode": "stream", "workers": 4},
+            {
+                "commands_per_s_per_worker": 1.5,
+                "by_job": {"registry": 1.0, "discovery": 0.5},
+                "idle_claims": 0,
+            },
+        )
+    )
     return [
-        {"bench": bench, "config": config, **figures, "smoke": False, "machine": MACHINE,
-         "when": f"2026-11-22T08:0{run}:00"}
-        for run in range(4) for bench, config, figures in configs
-    ]  # fmt: skip
+        {
+            "bench": bench,
+            "config": config,
+            **figures,
+            "smoke": False,
+            "machine": MACHINE,
+            "when": f"2026-11-22T08:0{run}:00",
+        }
+        for run in range(4)
+        for bench, config, figures in configs
+    ]
 
 
 def render_report(results: Path, out: Path) -> str:
     done = subprocess.run(
         [sys.executable, str(BENCH / "report.py"), "--results", str(results), "--out", str(out)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return out.read_text()
 
@@ -161,14 +270,29 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     """``report.py`` renders a section, table and plot per bench; smoke and config-less lines are ignored."""
     results = tmp_path / "results.jsonl"
     old = {"bench": "claim_storm", "workers": 16, "attempts_per_claim": 987.6, "when": "2026-11-22T09:00:00"}
-    smoke = {"bench": "cpu", "config": {"store": "memory", "concurrency": 10}, "cpu_ms_per_task": 765.4,
-             "smoke": True, "when": "2026-11-22T09:00:00"}  # fmt: skip
+    smoke = {
+        "bench": "cpu",
+        "config": {"store": "memory", "concurrency": 10},
+        "cpu_ms_per_task": 765.4,
+        "smoke": True,
+        "when": "2026-11-22T09:00:00",
+    }
     lines = [old, *synthetic_lines(), smoke]
     results.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
     text = render_report(results, tmp_path / "docs" / "benchmarks.md")
-    for heading in ("## Targets", "## Side by side", "## Idle cost", "## Round trips per task", "## Claim attempts per claim", "## Pickup latency",
-                    "## Throughput", "## Takeover time", "## Worker CPU per task", "## Heartbeat writes",
-                    "## Machine and dates"):  # fmt: skip
+    for heading in (
+        "## Targets",
+        "## Side by side",
+        "## Idle cost",
+        "## Round trips per task",
+        "## Claim attempts per claim",
+        "## Pickup latency",
+        "## Throughput",
+        "## Takeover time",
+        "## Worker CPU per task",
+        "## Heartbeat writes",
+        "## Machine and dates",
+    ):
         assert heading in text
     assert "Not run yet" not in text
     assert "987.6" not in text and "765.4" not in text  # the old-format line and the smoke line
@@ -196,8 +320,12 @@ def test_explain_without_a_real_mongodb_says_so(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TASKRUNNER_BENCH_MONGO_URI"}
     done = subprocess.run(
         [sys.executable, str(BENCH / "explain.py"), "--results", str(tmp_path / "r.jsonl")],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0
     assert "needs a real MongoDB" in done.stdout
     assert not (tmp_path / "r.jsonl").exists()

@@ -17,8 +17,11 @@ def defined_tests(path: Path) -> set[str]:
 
 def test_every_cited_test_exists() -> None:
     """docs/*.md cite only test files and test functions that exist."""
-    cited = [(doc.name, m.group(1), m.group(2)) for doc in (ROOT / "docs").glob("*.md")
-             for m in CITATION.finditer(doc.read_text())]  # fmt: skip
+    cited = [
+        (doc.name, m.group(1), m.group(2))
+        for doc in (ROOT / "docs").glob("*.md")
+        for m in CITATION.finditer(doc.read_text())
+    ]
     assert cited, "docs/guarantees.md should cite its tests as path::name"
     missing = [c for c in cited if not (ROOT / c[1]).exists() or c[2] not in defined_tests(ROOT / c[1])]
     assert missing == []

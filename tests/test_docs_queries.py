@@ -220,9 +220,19 @@ async def _load_sample(uri: str, database: str) -> None:
             (B, ["email", "report"], ["mail:2", "rep:3"], 3600.0),
             (C, ["email"], ["mail:1", "mail:4"], 10.0),
         ):
-            await store.beat(WorkerInfo(worker_id=worker_id, host=worker_id.rsplit("-", 2)[0], pid=1234,
-                                        started_at=now - timedelta(hours=3), names=names, concurrency=4,
-                                        running=running, version="0.1.0"), ttl=ttl)  # fmt: skip
+            await store.beat(
+                WorkerInfo(
+                    worker_id=worker_id,
+                    host=worker_id.rsplit("-", 2)[0],
+                    pid=1234,
+                    started_at=now - timedelta(hours=3),
+                    names=names,
+                    concurrency=4,
+                    running=running,
+                    version="0.1.0",
+                ),
+                ttl=ttl,
+            )
         ago = {"beat_at": now - timedelta(seconds=70), "expires_at": now - timedelta(seconds=60)}
         await registry.update_one({"_id": C}, {"$set": ago})
         await _sample_schedules(runner, now)
@@ -295,8 +305,12 @@ def _run(mongosh: Path, target: Target, query: Query, home: Path) -> Any:
     env = {**os.environ, "HOME": str(home), "DO_NOT_TRACK": "1"}
     done = subprocess.run(
         [str(mongosh), target.uri, "--quiet", "--norc", "--eval", script],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, f"{query.id}: mongosh failed:\n{done.stderr or done.stdout}"
     lines = done.stdout.strip().splitlines()
     assert lines, f"{query.id}: mongosh printed nothing:\n{done.stderr}"
@@ -364,10 +378,13 @@ def _mismatch(expected: Any, actual: Any, path: str) -> str | None:
         if not isinstance(actual, list) or len(actual) != len(expected):
             return f"{path}: expected {len(expected)} items, got {actual!r}"
         return next(
-            (m for i, (e, a) in enumerate(zip(expected, actual, strict=True))
-             if (m := _mismatch(e, a, f"{path}[{i}]"))),
+            (
+                m
+                for i, (e, a) in enumerate(zip(expected, actual, strict=True))
+                if (m := _mismatch(e, a, f"{path}[{i}]"))
+            ),
             None,
-        )  # fmt: skip
+        )
     return None if expected == actual else f"{path}: expected {expected!r}, got {actual!r}"
 
 
@@ -389,8 +406,13 @@ def test_check_reads_the_convention() -> None:
     check("keys", ["a", "b"], docs)
     check("keyset", ["b", "a"], docs)
     check("match", [{"key": "a", "at": ANY_DATE}, {"key": "b"}], docs)
-    for kind, expected in [("count", 3), ("keys", ["b", "a"]), ("match", [{"key": "a"}]),
-                           ("match", [{"key": "a"}, {"at": ANY_DATE}]), ("match", [{"x": 1}, {}])]:  # fmt: skip
+    for kind, expected in [
+        ("count", 3),
+        ("keys", ["b", "a"]),
+        ("match", [{"key": "a"}]),
+        ("match", [{"key": "a"}, {"at": ANY_DATE}]),
+        ("match", [{"x": 1}, {}]),
+    ]:
         with pytest.raises(AssertionError):
             check(kind, expected, docs)
 
@@ -398,9 +420,9 @@ def test_check_reads_the_convention() -> None:
 def test_parse_docs_flags_blocks_without_expectations(tmp_path: Path) -> None:
     """A bare ```js block, a dangling expectation and shell code outside ```js are all reported."""
     (tmp_path / "x.md").write_text(
-        '<!-- expect: count=1 -->\n```js\ndb.tasks.find()\n```\n\n```js\ndb.tasks.find()\n```\n'
-        '<!-- expect: count=2 -->\n\ntext\n```sh\necho\n```\n```text\ndb.tasks.drop()\n```\n'
-    )  # fmt: skip
+        "<!-- expect: count=1 -->\n```js\ndb.tasks.find()\n```\n\n```js\ndb.tasks.find()\n```\n"
+        "<!-- expect: count=2 -->\n\ntext\n```sh\necho\n```\n```text\ndb.tasks.drop()\n```\n"
+    )
     queries, problems = parse_docs(tmp_path)
     assert [(q.line, q.kind, q.expected) for q in queries] == [(2, "count", 1), (6, None, None)]
     assert problems == [

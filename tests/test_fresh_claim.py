@@ -137,9 +137,12 @@ def _same_run(doc: Doc | None, like: Doc | None) -> Doc | None:
 async def test_write_runs_lands_every_outcome_the_quick_path_refuses(store: MongoStore, result: Any) -> None:
     """One-slot, two-slot (one more run due) and canceled tasks all record their success through write_runs."""
     await store.publish(
-        [NewTask.build(key="one", name="job"), NewTask.build(key="two", name="job", options={"concurrency": 2}),
-         NewTask.build(key="gone", name="job")]
-    )  # fmt: skip
+        [
+            NewTask.build(key="one", name="job"),
+            NewTask.build(key="two", name="job", options={"concurrency": 2}),
+            NewTask.build(key="gone", name="job"),
+        ]
+    )
     claims = {k: await store.claim("w1", key=k) for k in ("one", "two", "gone")}
     await store.cancel("gone")
     writes = [RunWrite("success", k, c.run_id, "w1", result) for k, c in claims.items() if c is not None]

@@ -49,8 +49,14 @@ class Fleet:
     def keeper(self, worker: str, skew: float = 0.0, capacity: int = 10) -> GateKeeper:
         """A worker whose estimate of the server's clock is off by ``skew`` seconds."""
         self.names.append(worker)
-        return GateKeeper(self.store, worker, lambda: at(self.t + skew).timestamp(), {NAME: self.limit},
-                          capacity=capacity, peers=lambda name: list(self.names))  # fmt: skip
+        return GateKeeper(
+            self.store,
+            worker,
+            lambda: at(self.t + skew).timestamp(),
+            {NAME: self.limit},
+            capacity=capacity,
+            peers=lambda name: list(self.names),
+        )
 
     def due(self, count: int) -> list[Due]:
         self.serial += count

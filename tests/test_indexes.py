@@ -23,8 +23,9 @@ Keys = list[tuple[str, int]]
 ID_INDEX: dict[str, Keys] = {"_id_": [(f.ID, 1)]}
 TASK_INDEXES: dict[str, Keys] = {**ID_INDEX, **{name: keys for name, (keys, _) in f.INDEXES.items()}}
 REGISTRY_INDEXES: dict[str, Keys] = {
-    **ID_INDEX, **{name: keys for name, (keys, _) in f.REGISTRY_INDEXES.items()}
-}  # fmt: skip
+    **ID_INDEX,
+    **{name: keys for name, (keys, _) in f.REGISTRY_INDEXES.items()},
+}
 BOUNDING = {"$eq", "$in", "$gt", "$gte", "$lt", "$lte", "$type"}
 LIST_SORT: Keys = [(f.CREATED_AT, 1), (f.ID, 1)]
 

@@ -24,16 +24,32 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def make_task(name: str = "resize", *, run_at: datetime = T0) -> Task:
-    return Task.model_validate({
-        "key": f"{name}-1", "name": name, "params": {}, "priority": 0, "created_at": T0, "updated_at": T0,
-        "run_at": run_at, "options": {}, "workers": [], "state": "RUNNING",
-    })  # fmt: skip
+    return Task.model_validate(
+        {
+            "key": f"{name}-1",
+            "name": name,
+            "params": {},
+            "priority": 0,
+            "created_at": T0,
+            "updated_at": T0,
+            "run_at": run_at,
+            "options": {},
+            "workers": [],
+            "state": "RUNNING",
+        }
+    )
 
 
 def make_entry(claimed_at: datetime, *, took_over: list[str] | None = None) -> WorkerEntry:
-    return WorkerEntry(worker_id="w1", run_id="r1", state="RUNNING", claimed_at=claimed_at,
-                       ping_at=claimed_at, expires_at=claimed_at + timedelta(seconds=30),
-                       took_over=took_over or [])  # fmt: skip
+    return WorkerEntry(
+        worker_id="w1",
+        run_id="r1",
+        state="RUNNING",
+        claimed_at=claimed_at,
+        ping_at=claimed_at,
+        expires_at=claimed_at + timedelta(seconds=30),
+        took_over=took_over or [],
+    )
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -51,10 +67,18 @@ def test_observer_counts_every_outcome_per_task() -> None:
     for outcome in ("success", "success", "failure", "lost", "released"):
         observer.finished(task, outcome, 0.5)
     observer.finished(other, "failure", 0.1)
-    counts = {name: sample(registry, f"taskrunner_{name}_total", task="resize")
-              for name in ("claims", "takeovers", "successes", "failures", "lost_claims", "releases")}  # fmt: skip
-    assert counts == {"claims": 2, "takeovers": 1, "successes": 2, "failures": 1, "lost_claims": 1,
-                      "releases": 1}  # fmt: skip
+    counts = {
+        name: sample(registry, f"taskrunner_{name}_total", task="resize")
+        for name in ("claims", "takeovers", "successes", "failures", "lost_claims", "releases")
+    }
+    assert counts == {
+        "claims": 2,
+        "takeovers": 1,
+        "successes": 2,
+        "failures": 1,
+        "lost_claims": 1,
+        "releases": 1,
+    }
     assert sample(registry, "taskrunner_claims_total", task="email") == 1
     assert sample(registry, "taskrunner_failures_total", task="email") == 1
     assert sample(registry, "taskrunner_successes_total", task="email") is None
@@ -115,8 +139,9 @@ def test_core_imports_and_cli_fails_clearly_without_prometheus_client(tmp_path: 
         "taskrunner.cli.main()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), "TASKRUNNER_MONGO_URI": "mongodb://127.0.0.1:9"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+    )
     assert result.returncode == 1, result.stderr
     assert "install taskrunner[metrics]" in result.stderr
 

@@ -320,8 +320,9 @@ async def test_gap_07_free_slot_is_claimable_at_the_earliest_lease_expiry(runner
     assert task.claimable_at == dead.entry.expires_at < alive.entry.expires_at
 
     async def late_succeeded() -> bool:
-        return any(w.worker_id == "late" and w.state is EntryState.SUCCESS
-                   for w in (await runner.get("k")).workers)  # fmt: skip
+        return any(
+            w.worker_id == "late" and w.state is EntryState.SUCCESS for w in (await runner.get("k")).workers
+        )
 
     async with running(worker(runner, "late")):
         # Renew the other lease about 1 s before the dead one expires: from then on only
@@ -487,13 +488,15 @@ async def test_gap_12_update_pending_never_touches_running_task(store: Store) ->
     await store.publish([NewTask.build(key="wait", name="job", params={"v": 1})])
     claim = await store.claim("w1", key="run")
     assert claim is not None
-    [again] = await store.publish([NewTask.build(key="run", name="job", params={"v": 2}, priority=9)],
-                                  update_pending=True)  # fmt: skip
+    [again] = await store.publish(
+        [NewTask.build(key="run", name="job", params={"v": 2}, priority=9)], update_pending=True
+    )
     assert not again.created and again.state is TaskState.RUNNING
     assert again.params == {"v": 1} and again.priority == 0
     assert [w.run_id for w in again.workers] == [claim.run_id]
-    [pending] = await store.publish([NewTask.build(key="wait", name="job", params={"v": 2})],
-                                    update_pending=True)  # fmt: skip
+    [pending] = await store.publish(
+        [NewTask.build(key="wait", name="job", params={"v": 2})], update_pending=True
+    )
     assert not pending.created and pending.params == {"v": 2}
     assert await store.count() == 2
     assert (await runs.succeed(store, "run", claim.run_id)).state is TaskState.SUCCESS
@@ -618,8 +621,11 @@ async def test_gap_16_key_is_the_only_unique_index(runner: TaskRunner) -> None:
     store = runner.store
     assert isinstance(store, MongoStore)
     info = await store.collection.index_information()
-    unique = {name: [tuple(k) for k in spec["key"]] for name, spec in info.items()
-              if spec.get("unique") and name != "_id_"}  # fmt: skip
+    unique = {
+        name: [tuple(k) for k in spec["key"]]
+        for name, spec in info.items()
+        if spec.get("unique") and name != "_id_"
+    }
     assert unique == {"key_unique": [(f.KEY, 1)]}
     assert set(info) == {"_id_", *f.INDEXES}
     assert not any(f.WORKER_ID in str(spec["key"]) for spec in info.values() if spec.get("unique"))

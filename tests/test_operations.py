@@ -115,8 +115,9 @@ async def test_cancel_stops_a_running_handler_and_nobody_claims_it_again(
     """`cancel` stops a running 30 s handler within ping_interval + 1 s; the task stays CANCELED and unclaimed."""
     with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
         workers = pool.start_many(["w1", "w2"])
-        await runner.publish("progress_sleep", {"seconds": 30, "fraction": 0.5, "message": "halfway"},
-                             key="long", **PING)  # fmt: skip
+        await runner.publish(
+            "progress_sleep", {"seconds": 30, "fraction": 0.5, "message": "halfway"}, key="long", **PING
+        )
         running = await wait_for(lambda: started_entry(runner, "long"), 30, "progress on the running entry")
         shown = await ainvoke(runner, "show", "long")
         began = time.time()
@@ -159,7 +160,10 @@ async def test_retry_of_a_failed_task_runs_it_again_to_success(
     assert retried.exit_code == 0 and retried.stdout.strip() == "fix-me: PENDING"
     assert done.state is TaskState.SUCCESS and done.results == ["repaired"]
     assert (done.failures, done.attempts, [w.state for w in done.workers]) == (
-        0, 2, [EntryState.FAIL, EntryState.SUCCESS])  # fmt: skip
+        0,
+        2,
+        [EntryState.FAIL, EntryState.SUCCESS],
+    )
     assert again.exit_code == 1 and "cannot retry task 'fix-me': it is SUCCESS" in again.stderr
 
 
@@ -169,9 +173,11 @@ async def test_retry_of_a_failed_task_runs_it_again_to_success(
 async def test_purge_deletes_only_matching_states_and_ages(runner: TaskRunner) -> None:
     """`purge --dry-run` counts without deleting; `purge` deletes finished tasks of the given states and age only."""
     now = datetime.now(UTC)
-    finished = {"old-ok": (TaskState.SUCCESS, now - timedelta(days=10)),
-                "new-ok": (TaskState.SUCCESS, now - timedelta(hours=1)),
-                "old-bad": (TaskState.FAIL, now - timedelta(days=10))}  # fmt: skip
+    finished = {
+        "old-ok": (TaskState.SUCCESS, now - timedelta(days=10)),
+        "new-ok": (TaskState.SUCCESS, now - timedelta(hours=1)),
+        "old-bad": (TaskState.FAIL, now - timedelta(days=10)),
+    }
     for key in [*finished, "pending", "gone"]:
         await runner.publish("job", key=key)
     await runner.cancel("gone")
@@ -296,9 +302,20 @@ async def test_workers_marks_a_worker_asked_to_stop_as_stopping(runner: TaskRunn
     """A live registry entry with a stop request shows as "stopping" in `workers`."""
     registry = mongo(runner).registry
     now = datetime.now(UTC)
-    await registry.insert_one({"_id": "ghost", "host": "h", "pid": 7, "started_at": now, "names": ["quick"],
-                               "concurrency": 2, "running": [], "version": "0", "beat_at": now,
-                               "expires_at": now + timedelta(hours=1)})  # fmt: skip
+    await registry.insert_one(
+        {
+            "_id": "ghost",
+            "host": "h",
+            "pid": 7,
+            "started_at": now,
+            "names": ["quick"],
+            "concurrency": 2,
+            "running": [],
+            "version": "0",
+            "beat_at": now,
+            "expires_at": now + timedelta(hours=1),
+        }
+    )
     asked = await ainvoke(runner, "stop-worker", "ghost")
     shown = await ainvoke(runner, "workers")
     assert asked.exit_code == 0 and "ghost" in shown.stdout and "stopping" in shown.stdout
@@ -394,13 +411,32 @@ def test_show_table_lists_progress_verbatim(mongo_uri: str, collection_name: str
     """`show` prints each entry's progress, and keys with rich markup are printed as given."""
     with MongoClient[Doc](mongo_uri) as client:
         now = datetime.now(UTC)
-        entry = {"worker_id": "w[bold]1", "run_id": "r" * 32, "state": "RUNNING", "claimed_at": now,
-                 "ping_at": now, "expires_at": now + timedelta(minutes=1), "attempt": 1,
-                 "progress": {"fraction": 0.4, "message": "[red]resizing"}}  # fmt: skip
+        entry = {
+            "worker_id": "w[bold]1",
+            "run_id": "r" * 32,
+            "state": "RUNNING",
+            "claimed_at": now,
+            "ping_at": now,
+            "expires_at": now + timedelta(minutes=1),
+            "attempt": 1,
+            "progress": {"fraction": 0.4, "message": "[red]resizing"},
+        }
         client.taskrunner[collection_name].insert_one(
-            {"key": "[b]k", "name": "job", "params": {}, "priority": 0, "created_at": now, "updated_at": now,
-             "run_at": now, "options": {}, "workers": [entry], "state": "RUNNING", "failures": 0, "attempts": 1}
-        )  # fmt: skip
+            {
+                "key": "[b]k",
+                "name": "job",
+                "params": {},
+                "priority": 0,
+                "created_at": now,
+                "updated_at": now,
+                "run_at": now,
+                "options": {},
+                "workers": [entry],
+                "state": "RUNNING",
+                "failures": 0,
+                "attempts": 1,
+            }
+        )
     shown = invoke("show", "[b]k", uri=mongo_uri, collection=collection_name)
     listed = invoke("list", uri=mongo_uri, collection=collection_name)
     assert shown.exit_code == 0 and "40% [red]resizing" in shown.stdout and "w[bold]1" in shown.stdout

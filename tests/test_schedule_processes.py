@@ -81,9 +81,18 @@ async def test_catch_up_policies_after_five_hours_of_downtime(
     async with AsyncMongoClient[Doc](mongo_uri, tz_aware=True) as client:
         schedules = client.taskrunner[f"{collection_name}.schedules"]
         for policy in ("latest", "all", "none"):
-            await schedules.insert_one({"_id": f"hourly-{policy}", "name": "noop", "cron": "0 * * * *",
-                                        "catch_up": policy, "paused": False, "created_at": down_since,
-                                        "last_tick": down_since, "last_key": f"hourly-{policy}@{iso(down_since)}"})  # fmt: skip
+            await schedules.insert_one(
+                {
+                    "_id": f"hourly-{policy}",
+                    "name": "noop",
+                    "cron": "0 * * * *",
+                    "catch_up": policy,
+                    "paused": False,
+                    "created_at": down_since,
+                    "last_tick": down_since,
+                    "last_key": f"hourly-{policy}@{iso(down_since)}",
+                }
+            )
     with WorkerPool(mongo_uri, collection_name, tmp_path, app=APP) as pool:
         worker = pool.start("s1")
         # The schedules are fired in id order, "tick" last: once it fired, the hourly ones were judged.

@@ -26,8 +26,11 @@ def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0) -> date
 def test_a_wall_clock_time_skipped_by_dst_does_not_fire() -> None:
     """02:30 does not exist in Paris on 2026-03-29 (clocks go 02:00 -> 03:00): that day has no 02:30 task."""
     daily = parse(cron="30 2 * * *", every=None, timezone=PARIS)
-    assert daily.upcoming(utc(2026, 3, 27, 12), 3) == [utc(2026, 3, 28, 1, 30), utc(2026, 3, 30, 0, 30),
-                                                       utc(2026, 3, 31, 0, 30)]  # fmt: skip
+    assert daily.upcoming(utc(2026, 3, 27, 12), 3) == [
+        utc(2026, 3, 28, 1, 30),
+        utc(2026, 3, 30, 0, 30),
+        utc(2026, 3, 31, 0, 30),
+    ]
 
 
 def test_a_wall_clock_time_repeated_by_dst_fires_once() -> None:
@@ -36,16 +39,23 @@ def test_a_wall_clock_time_repeated_by_dst_fires_once() -> None:
     assert daily.upcoming(utc(2026, 10, 24, 12), 2) == [utc(2026, 10, 25, 0, 30), utc(2026, 10, 26, 1, 30)]
     half_hourly = parse(cron="*/30 * * * *", every=None, timezone=PARIS)
     ticks = half_hourly.upcoming(utc(2026, 10, 24, 23, 45), 5)
-    assert ticks == [utc(2026, 10, 25, 0, 0), utc(2026, 10, 25, 0, 30), utc(2026, 10, 25, 2, 0),
-                     utc(2026, 10, 25, 2, 30), utc(2026, 10, 25, 3, 0)]  # fmt: skip
+    assert ticks == [
+        utc(2026, 10, 25, 0, 0),
+        utc(2026, 10, 25, 0, 30),
+        utc(2026, 10, 25, 2, 0),
+        utc(2026, 10, 25, 2, 30),
+        utc(2026, 10, 25, 3, 0),
+    ]
     # Looking back from inside the repeated hour's second pass finds its first pass.
     assert half_hourly.latest(utc(2026, 10, 25, 1, 10)) == utc(2026, 10, 25, 0, 30)
 
 
 def test_six_fields_start_with_seconds_and_intervals_align_on_the_epoch() -> None:
     """A leading sixth field is seconds; every=N ticks on multiples of N seconds since 1970 (UTC)."""
-    assert parse(cron="*/20 * * * * *", every=None).upcoming(T0, 2) == [T0 + timedelta(seconds=20),
-                                                                       T0 + timedelta(seconds=40)]  # fmt: skip
+    assert parse(cron="*/20 * * * * *", every=None).upcoming(T0, 2) == [
+        T0 + timedelta(seconds=20),
+        T0 + timedelta(seconds=40),
+    ]
     every = parse(cron=None, every=timedelta(seconds=7))
     assert all(int(t.timestamp()) % 7 == 0 for t in every.upcoming(T0, 5))
     assert tick_key("report", utc(2026, 1, 1, 0, 5)) == "report@2026-01-01T00:05:00Z"
@@ -59,8 +69,10 @@ def test_catch_up_after_downtime(catch_up: Any, expected: list[datetime]) -> Non
     """An hour without workers: "latest" fires the last missed tick, "all" up to max_catch_up, "none" nothing."""
     minutely = parse(cron="* * * * *", every=None)
     now = T0 + timedelta(seconds=30)
-    assert due(minutely, since=T0 - timedelta(hours=1), now=now, catch_up=catch_up, max_catch_up=3,
-               grace=5) == expected  # fmt: skip
+    assert (
+        due(minutely, since=T0 - timedelta(hours=1), now=now, catch_up=catch_up, max_catch_up=3, grace=5)
+        == expected
+    )
 
 
 def test_on_time_ticks_all_fire_whatever_the_policy() -> None:
@@ -129,8 +141,10 @@ async def test_racing_schedulers_publish_one_task_per_tick_and_skip_paused_sched
     runner.schedule("report", every=1, params={"day": 1})
     clock = [T0 + timedelta(milliseconds=500)]
     store = MemoryStore(clock=lambda: clock[0])
-    schedulers = [Scheduler(store, list(runner.schedules.values()), now=lambda: clock[0], rank=lambda _: 0)
-                  for _ in range(2)]  # fmt: skip
+    schedulers = [
+        Scheduler(store, list(runner.schedules.values()), now=lambda: clock[0], rank=lambda _: 0)
+        for _ in range(2)
+    ]
     for scheduler in schedulers:
         await scheduler._declare()
     for _ in range(3):

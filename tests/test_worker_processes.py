@@ -262,8 +262,9 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
     """SIGTERM releases a running task (failures stay 0) and another worker claims it at once, long before its 30 s lease ends."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
         workers = {w.worker_id: w for w in pool.start_many(["w1", "w2"])}
-        await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 60}, key="handover",
-                             ping_interval=1, ping_timeout=30)  # fmt: skip
+        await runner.publish(
+            "sleep", {"seconds": 0.3, "first_seconds": 60}, key="handover", ping_interval=1, ping_timeout=30
+        )
         first = await wait_for(lambda: running_entry(runner, "handover"), 30, "a first claim")
         leaving = workers.pop(first.worker_id)
         [staying] = workers.values()
@@ -386,6 +387,14 @@ def _malformed_documents() -> list[Doc]:
     """A document holding only key, name and state, and one the claim filter accepts but no model reads."""
     now = datetime.now(UTC)
     claimable = rules.new_document(NewTask(key="malformed-2", name="quick"), publish_id="by-hand")
-    claimable.update({"created_at": now, "updated_at": now, "run_at": now, "claimable_at": now,
-                      "params": "not an object", "priority": 100})  # fmt: skip
+    claimable.update(
+        {
+            "created_at": now,
+            "updated_at": now,
+            "run_at": now,
+            "claimable_at": now,
+            "params": "not an object",
+            "priority": 100,
+        }
+    )
     return [{"key": "malformed-1", "name": "quick", "state": "PENDING"}, claimable]

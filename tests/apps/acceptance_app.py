@@ -26,8 +26,15 @@ def mark(event: str, ctx: TaskContext, **extra: Any) -> None:
     where = os.environ.get("ACCEPTANCE_MARKS")
     if not where:
         return
-    line = {"event": event, "key": ctx.key, "run_id": ctx.run_id, "attempt": ctx.attempt,
-            "worker_id": ctx.worker_id, "t": time.time(), **extra}  # fmt: skip
+    line = {
+        "event": event,
+        "key": ctx.key,
+        "run_id": ctx.run_id,
+        "attempt": ctx.attempt,
+        "worker_id": ctx.worker_id,
+        "t": time.time(),
+        **extra,
+    }
     with (Path(where) / f"{ctx.worker_id}.jsonl").open("a") as out:
         out.write(json.dumps(line) + "\n")
 

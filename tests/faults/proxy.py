@@ -131,8 +131,10 @@ class FaultProxy:
             up_writer.transport.abort()
             return
         self._writers.add(up_writer)
-        pumps = [asyncio.create_task(self._pump(reader, up_writer)),
-                 asyncio.create_task(self._pump(up_reader, writer))]  # fmt: skip
+        pumps = [
+            asyncio.create_task(self._pump(reader, up_writer)),
+            asyncio.create_task(self._pump(up_reader, writer)),
+        ]
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for pump in pumps:
             pump.cancel()

@@ -313,8 +313,9 @@ async def test_lost_change_history_leads_to_a_sweep_and_strands_nothing(
             await runner.publish("nap", {"seconds": 0.05}, key="warm-up")
             await wait_for(lambda: succeeded(runner, 1), 30, "the warm-up task")
             worker.pause()
-            await runner.publish_many([{"name": "nap", "key": f"gap-{i:02d}", "params": {"seconds": 0.05}}
-                                       for i in range(60)])  # fmt: skip
+            await runner.publish_many(
+                [{"name": "nap", "key": f"gap-{i:02d}", "params": {"seconds": 0.05}} for i in range(60)]
+            )
             await asyncio.sleep(0.5)
             worker.resume()
             await wait_for(lambda: succeeded(runner, 61), 60, "61 successes", interval=0.2)
@@ -347,8 +348,18 @@ async def test_task_that_kills_its_workers_ends_fail_and_the_fleet_survives(
             await started(*live)
             async with ChangeRecorder(mongo_uri, collection_name) as changes:
                 await runner.publish("crash", key="poison", max_failures=2, **LEASE)
-                await runner.publish_many([{"name": "nap", "key": f"ok-{i:02d}", "params": {"seconds": 0.2},
-                                            "max_failures": 10, **LEASE} for i in range(20)])  # fmt: skip
+                await runner.publish_many(
+                    [
+                        {
+                            "name": "nap",
+                            "key": f"ok-{i:02d}",
+                            "params": {"seconds": 0.2},
+                            "max_failures": 10,
+                            **LEASE,
+                        }
+                        for i in range(20)
+                    ]
+                )
                 await wait_for(
                     lambda: _finished(runner, "poison"), 60, "the poison task to end", interval=0.2
                 )
@@ -517,8 +528,11 @@ async def test_timeout_option_through_cli_and_validator(mongo_uri: str, collecti
         published = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-m", "taskrunner", "publish", "nap", "--key", "cli", "--run-timeout", "2.5"],
-            capture_output=True, text=True, env=env, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert published.returncode == 0, published.stderr
         await runner.publish("nap", key="none")
         assert (await runner.get("cli")).options.timeout == 2.5

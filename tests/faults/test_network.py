@@ -91,8 +91,13 @@ async def test_partitioned_worker_fences_itself_and_resumes_after_heal(
         # Finishes during the partition (its gate opens then), before its longer lease runs
         # out: its outcome cannot be written.
         gate = tmp_path / "partitioned"
-        await runner.publish("sleep", {"seconds": 0.3, "first_seconds": 0.5, "first_gate": str(gate)},
-                             key="short", ping_interval=0.5, ping_timeout=4.0)  # fmt: skip
+        await runner.publish(
+            "sleep",
+            {"seconds": 0.3, "first_seconds": 0.5, "first_gate": str(gate)},
+            key="short",
+            ping_interval=0.5,
+            ping_timeout=4.0,
+        )
         claim = await wait_for(lambda: running(runner, "victim"), 30, "w1 to claim and ping")
         assert claim["worker_id"] == "w1"
         assert (await wait_for(lambda: running(runner, "short"), 30, "w1 to claim short"))[
@@ -121,8 +126,10 @@ async def test_partitioned_worker_fences_itself_and_resumes_after_heal(
         recovery = time.monotonic() - healed
 
     fence_delay = logged_at(fenced) - last_ping.ping_at.timestamp()
-    print(f"self-fenced {fence_delay:.2f}s after the last confirmed ping (ping_timeout 2s); "
-          f"back to work {recovery:.2f}s after heal")  # fmt: skip
+    print(
+        f"self-fenced {fence_delay:.2f}s after the last confirmed ping (ping_timeout 2s); "
+        f"back to work {recovery:.2f}s after heal"
+    )
     assert fence_delay <= 2.0 + 0.5
     # The handler was cancelled (self-fencing) before the other worker started it.
     assert [(m["worker_id"], m["ctx_cancelled"]) for m in cancelled] == [("w1", True)]

@@ -110,8 +110,17 @@ async def test_worker_process_never_claims_unregistered_names(
             await runner.publish(name, {"command": f"touch {pwned}"}, key=f"api-{name}")
         now = datetime.now(UTC)
         doc = rules.new_document(NewTask(key="by-hand", name="quick"), publish_id="by-hand")
-        doc.update({"name": "os.system", "params": {"command": f"touch {pwned}"}, "created_at": now,
-                    "updated_at": now, "run_at": now, "claimable_at": now, "priority": 100})  # fmt: skip
+        doc.update(
+            {
+                "name": "os.system",
+                "params": {"command": f"touch {pwned}"},
+                "created_at": now,
+                "updated_at": now,
+                "run_at": now,
+                "claimable_at": now,
+                "priority": 100,
+            }
+        )
         async with AsyncMongoClient[Doc](mongo_uri, tz_aware=True) as client:
             await client.taskrunner[collection_name].insert_one(doc)
         with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
@@ -185,8 +194,13 @@ async def test_worker_logs_never_show_the_password(collection_name: str, tmp_pat
     """A worker on an unreachable server with credentials in its URI logs errors, never the password."""
     with WorkerPool(secret_uri(), collection_name, tmp_path, env={"TASKRUNNER_TIMEOUT": "1"}) as pool:
         worker = pool.start("w1")
-        await wait_for(lambda: [e for e in worker.logs() if e.get("level") in ("warning", "error")]
-                       or not worker.alive(), 30, "an error about the unreachable server")  # fmt: skip
+        await wait_for(
+            lambda: (
+                [e for e in worker.logs() if e.get("level") in ("warning", "error")] or not worker.alive()
+            ),
+            30,
+            "an error about the unreachable server",
+        )
         await asyncio.sleep(1.0)
         if worker.alive():
             worker.terminate()
@@ -205,9 +219,14 @@ def test_cli_errors_never_show_the_password(args: list[str], tmp_path: Path) -> 
     """CLI commands that cannot reach the server say so without the URI's password."""
     env = {**os.environ, "TASKRUNNER_MONGO_URI": secret_uri(), "TASKRUNNER_TIMEOUT": "1", "NO_COLOR": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "taskrunner", *args], env=env, cwd=tmp_path,
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "taskrunner", *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "error" in output.lower(), output
     assert SECRET not in output, output
@@ -226,12 +245,22 @@ def test_cli_errors_never_show_the_password(args: list[str], tmp_path: Path) -> 
 def test_bad_uri_errors_quote_the_uri_without_the_password(uri: str, command: str, tmp_path: Path) -> None:
     """A URI PyMongo refuses is quoted in the error with its userinfo replaced by ***."""
     args = ["show", "k"] if command == "show" else ["worker", "--app", "apps.acceptance_app:runner"]
-    env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "TASKRUNNER_TIMEOUT": "1", "NO_COLOR": "1",
-           "PYTHONPATH": str(TESTS_DIR)}  # fmt: skip
+    env = {
+        **os.environ,
+        "TASKRUNNER_MONGO_URI": uri,
+        "TASKRUNNER_TIMEOUT": "1",
+        "NO_COLOR": "1",
+        "PYTHONPATH": str(TESTS_DIR),
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "taskrunner", *args], env=env, cwd=tmp_path,
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "taskrunner", *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
     assert "***@" in output and SECRET not in output, output
@@ -248,8 +277,11 @@ def dev_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, str]]]:
         with out.open("wb") as stdout, err.open("wb") as stderr:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "taskrunner", "dev-server", "--port", "0", *args],
-                stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=TESTS_DIR,
-            )  # fmt: skip
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                cwd=TESTS_DIR,
+            )
         procs.append(proc)
         deadline = time.monotonic() + 30
         while not out.read_text().strip():
