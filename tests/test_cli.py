@@ -77,6 +77,29 @@ def test_init_publish_show_round_trip(mongo_uri: str, collection_name: str) -> N
 
 
 @pytest.mark.mongo
+def test_worker_drain_runs_the_backlog_and_exits_0(mongo_uri: str, collection_name: str) -> None:
+    """`worker --drain` runs what is claimable, leaves a task due tomorrow PENDING, and exits 0."""
+    for key, extra in (("now:1", []), ("now:2", []), ("later", ["--delay", "86400"])):
+        args = ("publish", "sleep", "--params", '{"seconds": 0}', "--key", key, *extra)
+        assert cli(*args, uri=mongo_uri, collection=collection_name).returncode == 0
+    drained = cli(
+        "worker",
+        "--app",
+        "examples.app:runner",
+        "--drain",
+        uri=mongo_uri,
+        collection=collection_name,
+        cwd=ROOT,
+    )
+    assert drained.returncode == 0, drained.stderr
+    states = {
+        key: json.loads(cli("show", key, "--json", uri=mongo_uri, collection=collection_name).stdout)["state"]
+        for key in ("now:1", "now:2", "later")
+    }
+    assert states == {"now:1": "SUCCESS", "now:2": "SUCCESS", "later": "PENDING"}
+
+
+@pytest.mark.mongo
 def test_publish_twice_reports_the_existing_task(mongo_uri: str, collection_name: str) -> None:
     """Publishing an existing key prints its key, says it was not created, and exits 0."""
     for _ in range(2):
