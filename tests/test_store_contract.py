@@ -456,7 +456,9 @@ async def test_a_document_that_still_does_not_read_is_marked_fail(
     assert await store.normalize("by-hand") == task
 
 
-async def test_a_marked_document_fixed_by_hand_runs_after_retry(store: Store, raw_insert: Raw) -> None:
+async def test_a_marked_document_fixed_by_hand_runs_after_retry(
+    store: Store, raw_insert: Raw, elapse: Elapse
+) -> None:
     """Retrying a marked document sends it back to the sweep: still broken, it is marked
     again; fixed by hand, it is normalized and claimed. Purge removes a marked one."""
     await raw_insert({**MINIMAL, "params": "oops"})
@@ -474,7 +476,7 @@ async def test_a_marked_document_fixed_by_hand_runs_after_retry(store: Store, ra
     assert claim is not None and claim.task.params == {"fixed": True}
     await raw_insert({**MINIMAL, "key": "doomed", "options": None})
     await store.normalize("doomed")
-    await asyncio.sleep(0.01)  # finished before the purge's cutoff
+    await elapse(0.01)  # finished before the purge's cutoff
     assert await store.purge([TaskState.FAIL], older_than=0) == 1
 
 
