@@ -179,11 +179,15 @@ def ref(path: str) -> str:
 #   sort (priority desc, created_at asc).
 # name_state: operators' listing by name and state.
 # worker: which tasks a worker runs or ran (`taskrunner list --worker`).
+# created, updated: the dashboard's task list, newest first, paged by (time, key) without
+#   a skip; updated costs every write one more index entry, the price of a live list.
 INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "key_unique": ([(KEY, 1)], {"unique": True}),
     "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
     "name_state": ([(NAME, 1), (STATE, 1)], {}),
     "worker": ([(f"{WORKERS}.{WORKER_ID}", 1)], {}),
+    "created": ([(CREATED_AT, -1), (KEY, -1)], {}),
+    "updated": ([(UPDATED_AT, -1), (KEY, -1)], {}),
 }
 # Retention (`taskrunner init --retain-finished 7d`): MongoDB deletes finished tasks itself.
 RETENTION_INDEX: Final = "finished_ttl"

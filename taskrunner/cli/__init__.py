@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import sys
 
-from taskrunner.cli import admin, dev, flow, schedules, tasks, worker
+from taskrunner.cli import admin, dashboard, dev, flow, schedules, tasks, worker
 from taskrunner.cli.app import app
 
 __all__ = ["app", "main"]
-_COMMAND_GROUPS = (tasks, admin, flow, schedules, worker, dev)  # imported for the commands they register
+_COMMAND_GROUPS = (
+    tasks,
+    admin,
+    flow,
+    schedules,
+    worker,
+    dev,
+    dashboard,
+)  # imported for the commands they register
 
 
 def main() -> None:

@@ -148,6 +148,21 @@ def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
     return Page(page.tasks, page.unreadable, "" if full else None)
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One page of an operator's task listing (the dashboard's): newest first by ``sort``
+    (``created_at`` or ``updated_at``) then key, continuing after ``after`` (the previous
+    page's last ``(sort value, key)``), so no page ever skips over the ones before it."""
+
+    state: TaskState | None = None
+    name: str | None = None
+    worker_id: str | None = None
+    key_prefix: str | None = None
+    sort: str = f.CREATED_AT
+    after: tuple[datetime, str] | None = None
+    limit: int = 50
+
+
 class ChangeStream(Protocol):
     """An open stream of change events. Open it before scanning: then nothing written
     during the scan is missed (a write lands either before the scan reads or in the stream)."""
@@ -195,6 +210,9 @@ class Store(Protocol):
         """Tasks by state, name and worker (any entry), oldest first; malformed ones as ``Task.read`` reads them."""
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
+
+    async def browse(self, listing: Listing) -> list[Task]:
+        """One page of ``listing`` (keyset paging: no skip, the sort's index walks it)."""
 
     async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
         """One page of unfinished tasks in key order, starting after key ``after``; unreadable

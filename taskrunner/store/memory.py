@@ -38,6 +38,7 @@ from taskrunner.store.base import (
     Claim,
     Claimed,
     EventKind,
+    Listing,
     Page,
     RunResult,
     RunStatus,
@@ -185,6 +186,11 @@ class MemoryStore:
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         return len(self._matching(state, name))
+
+    async def browse(self, listing: Listing) -> list[Task]:
+        docs = [d for d in self._matching(listing.state, listing.name) if _listed(d, listing)]
+        docs.sort(key=lambda d: (d[listing.sort], d[f.KEY]), reverse=True)
+        return [self._task(d) for d in docs[: listing.limit]]
 
     def _matching(self, state: TaskState | None, name: str | None) -> list[Doc]:
         return [
@@ -666,6 +672,15 @@ class _MemoryChangeStream:
 
     async def close(self) -> None:
         self._closed = True
+
+
+def _listed(doc: Doc, listing: Listing) -> bool:
+    """Whether ``doc`` is on ``listing``'s pages at or past its ``after`` position."""
+    if listing.worker_id is not None and not _has_worker(doc, listing.worker_id):
+        return False
+    if listing.key_prefix is not None and not str(doc.get(f.KEY)).startswith(listing.key_prefix):
+        return False
+    return listing.after is None or (doc[listing.sort], doc[f.KEY]) < listing.after
 
 
 def _has_worker(doc: Doc, worker_id: str) -> bool:

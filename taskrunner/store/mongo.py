@@ -7,6 +7,7 @@ exceptions are translated to ``taskrunner.errors`` here and nowhere else.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -50,6 +51,7 @@ from taskrunner.store.base import (
     Claimed,
     EventKind,
     Failure,
+    Listing,
     Page,
     RunResult,
     RunStatus,
@@ -270,6 +272,12 @@ class MongoStore:
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         with mapped_errors():
             return await self.collection.count_documents(self._query(state, name))
+
+    async def browse(self, listing: Listing) -> list[Task]:
+        order = [(listing.sort, -1), (f.KEY, -1)]
+        with mapped_errors():
+            cursor = self.collection.find(_listing_query(listing)).sort(order).limit(listing.limit)
+            return [self._task(doc) async for doc in cursor]
 
     @staticmethod
     def _query(state: TaskState | None, name: str | None) -> Doc:
@@ -737,6 +745,18 @@ class MongoStore:
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
         return Task.read(doc, created=created)
+
+
+def _listing_query(listing: Listing) -> Doc:
+    query = MongoStore._query(listing.state, listing.name)
+    if listing.worker_id is not None:
+        query[f"{f.WORKERS}.{f.WORKER_ID}"] = listing.worker_id
+    if listing.key_prefix:
+        query[f.KEY] = {"$regex": "^" + re.escape(listing.key_prefix)}  # anchored: walks the key index
+    if listing.after is not None:
+        at, key = listing.after
+        query["$or"] = [{listing.sort: {"$lt": at}}, {listing.sort: at, f.KEY: {"$lt": key}}]
+    return query
 
 
 class _MongoChangeStream:

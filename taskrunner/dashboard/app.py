@@ -1,0 +1,166 @@
+"""The ASGI app: pages, their fragments (for live refresh), server-sent events and actions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from taskrunner.dashboard import pages
+from taskrunner.dashboard.actions import ACTIONS
+from taskrunner.dashboard.hub import Hub
+from taskrunner.dashboard.security import csrf_token, log_in, may_act, new_token, remember_csrf, same
+from taskrunner.errors import TaskNotFound, TaskRunnerError
+from taskrunner.models import TaskState
+from taskrunner.redact import redact
+from taskrunner.runner import TaskRunner
+
+HERE = Path(__file__).parent
+KEEPALIVE_SECONDS = 15.0
+
+
+def environment() -> Environment:
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True))
+    env.filters["keyurl"] = lambda key: quote(str(key), safe="")
+    env.filters["query"] = lambda params: urlencode(params)
+    env.filters["pretty"] = lambda value: json.dumps(value, indent=2, sort_keys=True, default=str)
+    return env
+
+
+class Dashboard:
+    """The app's state: the runner, the hub, the templates and who may act."""
+
+    def __init__(self, runner: TaskRunner, allow_actions: bool, token: str | None) -> None:
+        self.runner, self.allow_actions, self.token = runner, allow_actions, token
+        self.hub = Hub(runner.store)
+        self.env = environment()
+
+    def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
+        csrf = csrf_token(request)
+        page = self.env.get_template(template).render(
+            request=request,
+            actions=self.allow_actions,
+            csrf=csrf,
+            logged_in=same(request.cookies.get("taskrunner_token"), self.token),
+            source=redact(f"{self.runner.mongo_uri} {self.runner.database}.{self.runner.collection}"),
+            states=[s.value for s in TaskState],
+            fragment="fragment" in request.query_params,
+            **context,
+        )
+        response = HTMLResponse(page, status_code=status)
+        remember_csrf(request, response, csrf)
+        return response
+
+    async def overview(self, request: Request) -> Response:
+        return self.render(request, "overview.html", **await pages.overview(self.runner))
+
+    async def tasks(self, request: Request) -> Response:
+        chosen = pages.TaskFilter.parse(dict(request.query_params))
+        return self.render(request, "tasks.html", **await pages.task_list(self.runner, chosen))
+
+    async def task(self, request: Request) -> Response:
+        task = await self.runner.get(request.path_params["key"])
+        document = task.model_dump(mode="json", by_alias=True)
+        return self.render(request, "task.html", task=task, document=document, progress=pages.progress(task))
+
+    async def workers(self, request: Request) -> Response:
+        return self.render(request, "workers.html", workers=await self.runner.workers())
+
+    async def schedules(self, request: Request) -> Response:
+        return self.render(request, "schedules.html", **await pages.schedules(self.runner))
+
+    async def login(self, request: Request) -> Response:
+        if not self.allow_actions or not same(request.query_params.get("token"), self.token):
+            return self.render(request, "error.html", 403, message="wrong or missing token")
+        response = RedirectResponse("/", status_code=303)
+        log_in(response, self.token or "")
+        return response
+
+    async def act(self, request: Request) -> Response:
+        form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        if not self.allow_actions or not may_act(request, form, self.token):
+            return self.render(request, "error.html", 403, message="actions need the token and a CSRF token")
+        action = ACTIONS.get(request.path_params["action"])
+        if action is None:
+            return self.render(request, "error.html", 404, message="no such action")
+        return RedirectResponse(await action(self.runner, form), status_code=303)
+
+    async def events(self, request: Request) -> Response:
+        return StreamingResponse(self._stream(request), media_type="text/event-stream")
+
+    async def _stream(self, request: Request) -> AsyncIterator[str]:
+        queue = self.hub.subscribe()
+        try:
+            yield "event: open\ndata: {}\n\n"
+            while not await request.is_disconnected():
+                try:
+                    message = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                except TimeoutError:
+                    yield ": keepalive\n\n"
+                    continue
+                yield f"event: change\ndata: {message}\n\n"
+        finally:
+            self.hub.unsubscribe(queue)
+
+
+def guarded(dashboard: Dashboard, view: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
+    """``view`` with the taskrunner errors a request can cause shown as an error page."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await view(request)
+        except TaskNotFound as exc:
+            return dashboard.render(request, "error.html", 404, message=str(exc))
+        except TaskRunnerError as exc:
+            return dashboard.render(request, "error.html", 400, message=redact(str(exc)))
+
+    return endpoint
+
+
+def create_app(runner: TaskRunner, *, allow_actions: bool = False, token: str | None = None) -> Starlette:
+    """The dashboard for ``runner``: read-only unless ``allow_actions`` (then actions need
+    ``token``, made up when not given, and a CSRF token)."""
+    if allow_actions and not token:
+        token = new_token()
+    dashboard = Dashboard(runner, allow_actions, token)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        hub = asyncio.create_task(dashboard.hub.run())
+        try:
+            yield
+        finally:
+            hub.cancel()
+            with suppress(asyncio.CancelledError):
+                await hub
+
+    def page(
+        path: str, view: Callable[[Request], Awaitable[Response]], methods: list[str] | None = None
+    ) -> Route:
+        return Route(path, guarded(dashboard, view), methods=methods or ["GET"])
+
+    routes = [
+        page("/", dashboard.overview),
+        page("/tasks", dashboard.tasks),
+        page("/tasks/{key:path}", dashboard.task),
+        page("/workers", dashboard.workers),
+        page("/schedules", dashboard.schedules),
+        page("/login", dashboard.login),
+        page("/actions/{action}", dashboard.act, ["POST"]),
+        Route("/events", dashboard.events),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.dashboard = dashboard
+    return app

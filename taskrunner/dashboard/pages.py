@@ -1,0 +1,160 @@
+"""What each page shows, read through the runner's public API (one module: the data, no HTML)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from taskrunner import fields as f
+from taskrunner.errors import InvalidTask
+from taskrunner.limits import LimitState
+from taskrunner.models import EntryState, Task, TaskState
+from taskrunner.runner import TaskRunner
+from taskrunner.store.base import Listing
+
+PAGE_SIZE = 50
+RECENT = 500  # tasks sampled (newest updated first, by index) for the throughput chart
+CHART_MINUTES = 10
+FINISHED_RUNS = (EntryState.SUCCESS, EntryState.FAIL)
+SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT}
+
+
+@dataclass
+class Minute:
+    start: datetime
+    finished: int = 0
+    pickup: list[float] = field(default_factory=list)
+
+    @property
+    def latency(self) -> float | None:
+        return sum(self.pickup) / len(self.pickup) if self.pickup else None
+
+
+async def overview(runner: TaskRunner) -> dict[str, Any]:
+    stats = await runner.stats()
+    by_state: Counter[str] = Counter()
+    for counts in stats.counts.values():
+        by_state.update(counts)
+    workers = await runner.workers()
+    recent = await runner.store.browse(Listing(sort=f.UPDATED_AT, limit=RECENT))
+    now = await runner.store.server_time()
+    return {
+        "stats": stats,
+        "by_state": {state.value: by_state.get(state.value, 0) for state in TaskState},
+        "workers": len(workers),
+        "minutes": minutes(recent, now),
+    }
+
+
+def minutes(tasks: list[Task], now: datetime) -> list[Minute]:
+    """Finished runs and pickup latency per minute over the last ``CHART_MINUTES``."""
+    top = now.replace(second=0, microsecond=0)
+    chart = [Minute(top - timedelta(minutes=n)) for n in reversed(range(CHART_MINUTES))]
+    for task in tasks:
+        for index, entry in enumerate(task.workers):
+            done = entry.finished_at
+            if done is not None and entry.state in FINISHED_RUNS and _within(chart, done):
+                _bucket(chart, done).finished += 1
+            if index == 0 and _within(chart, entry.claimed_at):
+                _bucket(chart, entry.claimed_at).pickup.append(
+                    (entry.claimed_at - task.run_at).total_seconds()
+                )
+    return chart
+
+
+def _within(chart: list[Minute], at: datetime) -> bool:
+    return chart[0].start <= at < chart[-1].start + timedelta(minutes=1)
+
+
+def _bucket(chart: list[Minute], at: datetime) -> Minute:
+    index = int((at - chart[0].start).total_seconds() // 60)
+    return chart[min(max(index, 0), len(chart) - 1)]
+
+
+@dataclass(frozen=True)
+class TaskFilter:
+    """The task list's query string, checked."""
+
+    state: TaskState | None = None
+    name: str | None = None
+    prefix: str | None = None
+    worker: str | None = None
+    sort: str = "created"
+    after: tuple[datetime, str] | None = None
+
+    @classmethod
+    def parse(cls, query: dict[str, str]) -> TaskFilter:
+        state = query.get("state") or None
+        sort = query.get("sort") or "created"
+        if state is not None and state not in TaskState.__members__:
+            raise InvalidTask("state", f"unknown state {state!r}")
+        if sort not in SORTS:
+            raise InvalidTask("sort", "sort is created or updated")
+        return cls(
+            TaskState(state) if state else None,
+            query.get("name") or None,
+            query.get("prefix") or None,
+            query.get("worker") or None,
+            sort,
+            parse_cursor(query.get("after")),
+        )
+
+    def listing(self) -> Listing:
+        return Listing(
+            self.state, self.name, self.worker, self.prefix, SORTS[self.sort], self.after, PAGE_SIZE
+        )
+
+    def query(self, **changes: str | None) -> dict[str, str]:
+        """This filter as query parameters (for links), with ``changes``."""
+        params = {"state": self.state.value if self.state else None, "name": self.name}
+        params |= {"prefix": self.prefix, "worker": self.worker, "sort": self.sort}
+        return {k: v for k, v in (params | changes).items() if v}
+
+
+def cursor(task: Task, sort: str) -> str:
+    """The ``after`` value continuing a listing after ``task``."""
+    at = task.created_at if sort == "created" else task.updated_at
+    return f"{at.isoformat()}|{task.key}"
+
+
+def parse_cursor(text: str | None) -> tuple[datetime, str] | None:
+    if not text:
+        return None
+    at, _, key = text.partition("|")
+    try:
+        return datetime.fromisoformat(at), key
+    except ValueError:
+        raise InvalidTask("after", "not a position in the list") from None
+
+
+async def task_list(runner: TaskRunner, chosen: TaskFilter) -> dict[str, Any]:
+    tasks = await runner.store.browse(chosen.listing())
+    more = len(tasks) == PAGE_SIZE
+    after = cursor(tasks[-1], chosen.sort) if more else None
+    return {"tasks": tasks, "filter": chosen, "next": chosen.query(after=after) if after else None}
+
+
+def progress(task: Task) -> float | None:
+    """The running entry's progress fraction (0..1), if it reported one."""
+    for entry in reversed(task.workers):
+        if entry.state is EntryState.RUNNING and isinstance(entry.progress, dict):
+            fraction = entry.progress.get("fraction")
+            if isinstance(fraction, int | float):
+                return float(fraction)
+    return None
+
+
+async def schedules(runner: TaskRunner) -> dict[str, Any]:
+    stats = await runner.stats()
+    stored = await runner.store.limits()
+    limits = {name: state for name, state in stored.items() if isinstance(state, LimitState)}
+    running = {name: counts.get(TaskState.RUNNING.value, 0) for name, counts in stats.counts.items()}
+    return {
+        "schedules": await runner.schedule_overview(),
+        "limits": limits,
+        "unreadable": {name: problem for name, problem in stored.items() if isinstance(problem, str)},
+        "running": running,
+        "paused": stats.paused,
+    }

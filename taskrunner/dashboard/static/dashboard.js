@@ -1,0 +1,53 @@
+// Live pages without a build step: one EventSource per tab; on a change relevant to the
+// page, re-fetch the page's fragment (?fragment=1) and swap it in, at most once a second.
+"use strict";
+(function () {
+  const main = document.getElementById("main");
+  const mode = main ? main.dataset.refresh : undefined;
+  const MIN_GAP_MS = 1000;
+  let last = 0;
+  let timer = null;
+
+  function fragmentUrl() {
+    const url = new URL(window.location.href);
+    url.searchParams.set("fragment", "1");
+    return url;
+  }
+
+  async function refresh() {
+    timer = null;
+    last = Date.now();
+    try {
+      const response = await fetch(fragmentUrl(), { credentials: "same-origin" });
+      if (response.ok) {
+        main.innerHTML = await response.text();  // server-rendered and escaped
+      }
+    } catch (e) {
+      // the next change or poll tries again
+    }
+  }
+
+  function schedule() {
+    if (timer !== null) return;  // a refresh is already due: bursts coalesce into it
+    timer = setTimeout(refresh, Math.max(0, last + MIN_GAP_MS - Date.now()));
+  }
+
+  function relevant(change) {
+    if (mode === "any") return true;
+    if (mode === "key") return change.key === null || change.key === main.dataset.key;
+    return false;
+  }
+
+  if (!main || !mode) return;
+  if (mode === "poll") {
+    setInterval(schedule, 2000);  // the worker registry has no change stream: poll it gently
+  }
+  const source = new EventSource("/events");
+  source.addEventListener("open", function () { document.body.dataset.live = "on"; });
+  source.addEventListener("error", function () { document.body.dataset.live = "off"; });
+  source.addEventListener("change", function (message) {
+    let change;
+    try { change = JSON.parse(message.data); } catch (e) { return; }
+    if (relevant(change)) schedule();
+  });
+})();
