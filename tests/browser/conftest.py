@@ -111,9 +111,8 @@ def dashboard_factory(
             return Dashboard(url, token, process)
 
         yield start
-        for process in group.processes.values():
-            if process.returncode not in (None, 0, -9):
-                print(f"--- {process.name} ---", process.tail(40), sep="\n")
+        for process in group.processes.values():  # pytest shows it only when the test failed
+            print(f"--- {process.name} (exit {process.returncode}) ---", process.tail(40), sep="\n")
 
 
 @pytest.fixture
