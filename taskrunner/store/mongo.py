@@ -755,7 +755,8 @@ def _listing_query(listing: Listing) -> Doc:
         query[f.KEY] = {"$regex": "^" + re.escape(listing.key_prefix)}  # anchored: walks the key index
     if listing.after is not None:
         at, key = listing.after
-        query["$or"] = [{listing.sort: {"$lt": at}}, {listing.sort: at, f.KEY: {"$lt": key}}]
+        query[listing.sort] = {"$lte": at}  # bounds the index scan; the $or breaks ties by key
+        query["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
     return query
 
 

@@ -58,7 +58,9 @@ def secret_uri() -> str:
 
 
 # -- no code from documents ------------------------------------------------------------------
-async def test_code_like_task_names_only_ever_reach_the_handler_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_code_like_task_names_only_ever_reach_the_handler_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Even when a run is claimed for a name like os.system, nothing is imported or called: FAIL UnknownHandler."""
     calls: list[object] = []
 

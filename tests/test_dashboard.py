@@ -1,0 +1,347 @@
+"""The dashboard over HTTP (no browser): pages, filters and paging, escaping, the action
+token and CSRF, and live events from the one change stream (tests/test_dashboard_browser.py
+drives a real browser)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from taskrunner import fields as f
+from taskrunner.dashboard import create_app, serve_dashboard
+from taskrunner.dashboard.hub import Hub
+from taskrunner.dashboard.server import exposure_warning
+from taskrunner.models import TaskState, WorkerInfo
+from taskrunner.runner import TaskRunner
+from taskrunner.store.base import Listing, Store
+from taskrunner.store.memory import MemoryStore
+
+TOKEN = "secret-token"
+PAGES = ["/", "/tasks", "/workers", "/schedules", "/tasks?state=PENDING&sort=updated"]
+XSS = "<script>alert(1)</script>"
+XSS_KEY = "javascript:alert(1)//<script>x</script>"
+
+
+class Text(BaseModel):
+    text: str = ""
+
+
+def app_runner() -> TaskRunner:
+    """A memory runner whose ``ok`` handler returns its text and ``boom`` fails with it."""
+    runner = TaskRunner(store=MemoryStore())
+
+    @runner.task("ok")
+    async def ok(params: Text, ctx: Any) -> dict[str, str]:
+        return {"echo": params.text}
+
+    @runner.task("boom", max_failures=1)
+    async def boom(params: Text, ctx: Any) -> None:
+        raise ValueError(params.text)
+
+    return runner
+
+
+async def populate(runner: TaskRunner) -> None:
+    """Tasks in every finished state plus a pending one, an XSS payload in each field."""
+    await runner.publish("ok", Text(text=XSS), key=XSS_KEY)
+    await runner.publish("boom", Text(text="javascript:alert(2)" + XSS), key="fails")
+    await runner.publish("ok", key="canceled")
+    await runner.cancel("canceled")
+    async with asyncio.timeout(30):
+        await runner.run_worker(drain=True, worker_id="w1")
+    await runner.publish("ok", key="pending", delay=3600)
+    await runner.pause("boom")
+    await runner.store.beat(worker_info("w2"), 60)
+
+
+def worker_info(worker_id: str) -> WorkerInfo:
+    now = datetime.now(UTC)
+    return WorkerInfo(worker_id=worker_id, host="h<b>", pid=1, started_at=now, names=["ok"], concurrency=2)
+
+
+def client(runner: TaskRunner, **options: Any) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=create_app(runner, **options))
+    return httpx.AsyncClient(transport=transport, base_url="http://dash")
+
+
+@pytest.fixture
+async def populated() -> TaskRunner:
+    runner = app_runner()
+    await populate(runner)
+    return runner
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, "no CSRF field on the page"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("path", PAGES)
+async def test_every_page_renders_on_an_empty_store(path: str) -> None:
+    """Each page answers 200 with no tasks, workers, schedules or limits."""
+    async with client(TaskRunner(store=MemoryStore())) as http:
+        response = await http.get(path)
+    assert response.status_code == 200
+    assert "<main" in response.text
+
+
+@pytest.mark.parametrize("path", [*PAGES, "/tasks/fails", "/tasks/canceled", "/tasks/pending"])
+async def test_every_page_renders_on_a_populated_store(populated: TaskRunner, path: str) -> None:
+    """Each page (task pages included) answers 200 with tasks in every state."""
+    async with client(populated) as http:
+        response = await http.get(path)
+    assert response.status_code == 200
+
+
+async def test_overview_counts_each_state(populated: TaskRunner) -> None:
+    """The overview has one count cell per state holding that state's number of tasks."""
+    async with client(populated) as http:
+        page = (await http.get("/")).text
+    counts = dict(re.findall(r'<td data-count-state="(\w+)">(\d+)</td>', page))
+    assert counts == {"PENDING": "1", "RUNNING": "0", "SUCCESS": "1", "FAIL": "1", "CANCELED": "1"}
+    assert "data-workers>1<" in page
+
+
+async def test_fragment_is_the_page_body_alone(populated: TaskRunner) -> None:
+    """``?fragment=1`` returns the main content without the page around it (for live swaps)."""
+    async with client(populated) as http:
+        fragment = (await http.get("/?fragment=1")).text
+    assert 'data-count-state="SUCCESS"' in fragment
+    assert "<html" not in fragment and "<main" not in fragment
+
+
+async def test_task_page_shows_runs_error_and_result(populated: TaskRunner) -> None:
+    """The task page lists each run with its worker and state, the error and traceback."""
+    async with client(populated) as http:
+        page = (await http.get("/tasks/fails")).text
+    assert '<li data-entry-worker="w1" data-entry-state="FAIL">' in page
+    assert "ValueError" in page and "Traceback" in page
+
+
+async def test_unknown_task_is_a_404(populated: TaskRunner) -> None:
+    """A key nobody published answers 404 with the error page."""
+    async with client(populated) as http:
+        response = await http.get("/tasks/nobody")
+    assert response.status_code == 404
+
+
+@pytest.mark.parametrize("path", ["/", "/tasks", f"/tasks/{XSS_KEY.replace('/', '%2F')}", "/tasks/fails"])
+async def test_document_values_render_as_text(populated: TaskRunner, path: str) -> None:
+    """Keys, params, errors and results holding <script> and javascript: render escaped, and
+    no link target comes from a document unquoted."""
+    async with client(populated) as http:
+        page = (await http.get(path)).text
+    assert "<script>alert" not in page and "<script>x" not in page
+    assert not re.search(r'(href|src|action)="\s*javascript:', page)
+    assert "&lt;script&gt;" in page or path == "/"
+
+
+async def test_xss_key_links_to_its_page(populated: TaskRunner) -> None:
+    """The task list links the XSS key by its quoted path, and that link opens its page."""
+    async with client(populated) as http:
+        listing = (await http.get("/tasks")).text
+        link = re.search(r'href="(/tasks/javascript[^"]+)"', listing)
+        assert link is not None
+        page = await http.get(link.group(1))
+    assert page.status_code == 200
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+
+
+async def test_task_list_filters_by_state_name_prefix_and_worker(populated: TaskRunner) -> None:
+    """Each filter narrows the list to the tasks it names."""
+    cases = {
+        "state=FAIL": {"fails"},
+        "name=boom": {"fails"},
+        "prefix=can": {"canceled"},
+        "worker=w1": {XSS_KEY, "fails"},
+        "state=SUCCESS&worker=w2": set(),
+    }
+    async with client(populated) as http:
+        for query, keys in cases.items():
+            page = (await http.get(f"/tasks?{query}")).text
+            assert listed(page) == keys, query
+
+
+def listed(page: str) -> set[str]:
+    import html
+
+    return {html.unescape(key) for key in re.findall(r'<tr data-task-key="([^"]*)"', page)}
+
+
+async def test_task_list_pages_by_position_without_repeats() -> None:
+    """120 tasks: three pages of at most 50, newest first, each task exactly once."""
+    runner = TaskRunner(store=MemoryStore())
+    await runner.publish_many([{"name": "ok", "key": f"k{i:03}"} for i in range(120)], allow_unknown=True)
+    seen: list[str] = []
+    path: str | None = "/tasks?sort=created"
+    async with client(runner) as http:
+        while path is not None:
+            page = (await http.get(path)).text
+            seen += re.findall(r'<tr data-task-key="([^"]*)"', page)
+            following = re.search(r'href="(/tasks\?[^"]*)" rel="next"', page)
+            path = following.group(1).replace("&amp;", "&") if following else None
+    assert seen == [f"k{i:03}" for i in reversed(range(120))]
+
+
+async def test_bad_filter_is_a_400() -> None:
+    """An unknown state, sort or cursor answers 400, not a stack trace."""
+    async with client(TaskRunner(store=MemoryStore())) as http:
+        for query in ("state=DONE", "sort=key", "after=yesterday"):
+            assert (await http.get(f"/tasks?{query}")).status_code == 400, query
+
+
+async def test_browse_pages_newest_first_on_each_store(store: Store) -> None:
+    """``Store.browse`` on memory and MongoDB: newest created first, ties by key, keyset paging."""
+    runner = TaskRunner(store=store)
+    await runner.publish_many([{"name": "ok", "key": f"b{i}"} for i in range(5)], allow_unknown=True)
+    first = await store.browse(Listing(key_prefix="b", limit=3))
+    last = first[-1]
+    rest = await store.browse(Listing(key_prefix="b", limit=3, after=(last.created_at, last.key)))
+    order = [(t.created_at, t.key) for t in first + rest]
+    assert order == sorted(order, reverse=True)
+    assert sorted(key for _, key in order) == [f"b{i}" for i in range(5)]
+    assert [t.key for t in await store.browse(Listing(sort=f.UPDATED_AT, key_prefix="b4"))] == ["b4"]
+
+
+async def test_read_only_shows_no_buttons_and_refuses_actions(populated: TaskRunner) -> None:
+    """Without allow_actions no page has an action button and every action answers 403."""
+    async with client(populated) as http:
+        pages = [(await http.get(path)).text for path in [*PAGES, "/tasks/pending"]]
+        refused = await http.post("/actions/cancel", data={"key": "pending", "token": TOKEN})
+        login = await http.get(f"/login?token={TOKEN}")
+    assert not any("data-action=" in page for page in pages)
+    assert refused.status_code == 403 and login.status_code == 403
+    assert (await populated.get("pending")).state is TaskState.PENDING
+
+
+async def test_action_without_token_is_refused(populated: TaskRunner) -> None:
+    """Actions allowed, but no token: no buttons, and a POST with a CSRF token answers 403."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        page = (await http.get("/tasks/pending")).text
+        csrf = http.cookies["taskrunner_csrf"]
+        response = await http.post("/actions/cancel", data={"key": "pending", "csrf": csrf})
+    assert "data-action=" not in page
+    assert response.status_code == 403
+    assert (await populated.get("pending")).state is TaskState.PENDING
+
+
+async def test_action_with_token_but_without_csrf_is_refused(populated: TaskRunner) -> None:
+    """The token cookie alone (a cross-site form would carry it) is not enough: 403."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        await http.get(f"/login?token={TOKEN}")
+        missing = await http.post("/actions/cancel", data={"key": "pending"})
+        wrong = await http.post("/actions/cancel", data={"key": "pending", "csrf": "guess"})
+    assert missing.status_code == 403 and wrong.status_code == 403
+    assert (await populated.get("pending")).state is TaskState.PENDING
+
+
+async def test_wrong_token_does_not_log_in(populated: TaskRunner) -> None:
+    """``/login`` with another token answers 403 and sets no token cookie."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        response = await http.get("/login?token=nope")
+    assert response.status_code == 403
+    assert "taskrunner_token" not in response.headers.get("set-cookie", "")
+
+
+async def test_action_with_token_and_csrf_cancels_the_task(populated: TaskRunner) -> None:
+    """Logged in with the token, the page's cancel form cancels the task."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        await http.get(f"/login?token={TOKEN}")
+        page = (await http.get("/tasks/pending")).text
+        assert '<button type="submit" data-action="cancel">' in page
+        response = await http.post("/actions/cancel", data={"key": "pending", "csrf": csrf_of(page)})
+    assert response.status_code == 303 and response.headers["location"] == "/tasks/pending"
+    assert (await populated.get("pending")).state is TaskState.CANCELED
+
+
+async def test_pause_and_resume_actions(populated: TaskRunner) -> None:
+    """Resume and pause from the schedules page call the runner's pause and resume."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        await http.get(f"/login?token={TOKEN}")
+        csrf = csrf_of((await http.get("/schedules")).text)
+        await http.post("/actions/resume", data={"name": "boom", "csrf": csrf})
+        assert await populated.paused() == []
+        await http.post("/actions/pause", data={"name": "ok", "csrf": csrf})
+    assert await populated.paused() == ["ok"]
+
+
+async def test_action_on_a_finished_task_is_a_400(populated: TaskRunner) -> None:
+    """Cancelling a task that succeeded is refused by the runner: an error page, not a crash."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        await http.get(f"/login?token={TOKEN}")
+        csrf = csrf_of((await http.get("/tasks/pending")).text)
+        response = await http.post("/actions/cancel", data={"key": XSS_KEY, "csrf": csrf})
+    assert response.status_code == 400
+    assert "&lt;script&gt;" in response.text and "<script>x" not in response.text
+
+
+async def test_credentials_in_the_uri_are_never_shown() -> None:
+    """The header names the server with the URI's user and password redacted."""
+    runner = TaskRunner("mongodb://admin:hunter2@db.example:27017", store=MemoryStore())
+    async with client(runner) as http:
+        page = (await http.get("/")).text
+    assert "hunter2" not in page and "admin:" not in page
+    assert "mongodb://***@db.example:27017" in page
+
+
+async def test_hub_fans_one_stream_out_to_every_subscriber() -> None:
+    """Two subscribers each get the change; a full queue drops its oldest message."""
+    store = MemoryStore()
+    hub = Hub(store, queue_size=2)
+    first, second = hub.subscribe(), hub.subscribe()
+    following = asyncio.create_task(hub.run())
+    try:
+        await asyncio.sleep(0.05)
+        await TaskRunner(store=store).publish("ok", key="a", allow_unknown=True)
+        message = await asyncio.wait_for(first.get(), 5)
+        assert '"key": "a"' in message
+        assert await asyncio.wait_for(second.get(), 5) == message
+    finally:
+        following.cancel()
+    for n in range(3):
+        hub.publish(str(n))
+    assert [first.get_nowait(), first.get_nowait()] == ["1", "2"]
+
+
+async def test_served_dashboard_streams_a_change_to_the_browser(capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve_dashboard`` on a free port prints its URL; /events sends ``open``, then a
+    ``change`` naming the task a publish wrote."""
+    runner = TaskRunner(store=MemoryStore())
+    serving = asyncio.create_task(serve_dashboard(runner, port=0))
+    try:
+        url = await printed_url(capsys)
+        async with httpx.AsyncClient(base_url=url) as http, http.stream("GET", "/events") as events:
+            lines = events.aiter_lines()
+            assert await anext(lines) == "event: open"
+            await runner.publish("ok", key="live", allow_unknown=True)
+            async with asyncio.timeout(5):
+                async for line in lines:
+                    if line.startswith("data:") and '"live"' in line:
+                        break
+    finally:
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+
+
+async def printed_url(capsys: pytest.CaptureFixture[str]) -> str:
+    async with asyncio.timeout(10):
+        while True:
+            found = re.search(r"dashboard: (http://\S+)", capsys.readouterr().out)
+            if found:
+                return found.group(1)
+            await asyncio.sleep(0.05)
+
+
+def test_binding_beyond_loopback_warns() -> None:
+    """Loopback addresses bind quietly; anything else gets the loud warning."""
+    assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
+    warning = exposure_warning("0.0.0.0")
+    assert warning is not None and warning.startswith("WARNING")
