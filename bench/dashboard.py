@@ -68,13 +68,14 @@ class ChangeStreams(monitoring.CommandListener):
 
 async def populate(uri: str, tasks: int) -> None:
     """``tasks`` tasks in batches: every tenth delayed a day, every fiftieth canceled."""
-    async with TaskRunner(uri, collection=COLLECTION) as runner:
+    # A generous timeout: a bulk upsert of 250 documents can take seconds on a busy embedded server.
+    async with TaskRunner(uri, collection=COLLECTION, timeout=120) as runner:
         await runner.init()
-        for start in range(0, tasks, 1000):
+        for start in range(0, tasks, 250):
             batch = [
                 {"name": NAMES[i % len(NAMES)], "key": f"t{i:05}", "params": {"n": i}}
                 | ({"delay": timedelta(days=1)} if i % 10 == 0 else {})
-                for i in range(start, min(start + 1000, tasks))
+                for i in range(start, min(start + 250, tasks))
             ]
             await runner.publish_many(batch, allow_unknown=True)
         for i in range(1, tasks, 50):
@@ -105,7 +106,7 @@ class DashboardThread:
 
     async def _serve(self) -> None:
         listeners = [self.counter, self.streams]
-        store = MongoStore.connect(self.uri, collection=COLLECTION, event_listeners=listeners)
+        store = MongoStore.connect(self.uri, collection=COLLECTION, timeout=120, event_listeners=listeners)
         async with TaskRunner(self.uri, collection=COLLECTION, store=store) as runner:
             await serve_dashboard(runner, port=self.port)
 
