@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from taskrunner import fields as f
 from taskrunner.dashboard import create_app, serve_dashboard
+from taskrunner.dashboard.app import Reads
 from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
 from taskrunner.models import TaskState, WorkerInfo
@@ -345,3 +346,22 @@ def test_binding_beyond_loopback_warns() -> None:
     assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
     warning = exposure_warning("0.0.0.0")
     assert warning is not None and warning.startswith("WARNING")
+
+
+async def test_page_reads_are_shared_and_follow_changes() -> None:
+    """Tabs share a page's read until a change; after a change the page is read again, but
+    never twice within ``fresh_for``, however many tabs ask."""
+    changes, reads = [0], [0]
+
+    async def read() -> dict[str, Any]:
+        reads[0] += 1
+        return {"n": reads[0]}
+
+    cache = Reads(lambda: changes[0], fresh_for=0.3)
+    assert [await cache.get("overview", read) for _ in range(3)] == [{"n": 1}] * 3
+    changes[0] += 1
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(cache.get("overview", read) for _ in range(5)))
+    assert results == [{"n": 2}] * 5
+    assert asyncio.get_running_loop().time() - started >= 0.2  # waited out the first read's second
+    assert await cache.get("tasks?state=FAIL", read) == {"n": 3}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -28,6 +30,8 @@ from taskrunner.runner import TaskRunner
 
 HERE = Path(__file__).parent
 KEEPALIVE_SECONDS = 15.0
+FRESH_SECONDS = 1.0
+MAX_AGE = 5.0  # the registry (live workers) has no change stream: re-read it this often
 
 
 def environment() -> Environment:
@@ -38,6 +42,30 @@ def environment() -> Environment:
     return env
 
 
+class Reads:
+    """Each page's data, shared by every tab: read again only after a change (``changes()``
+    moved) or ``MAX_AGE`` seconds, and at most once per ``fresh_for`` seconds, so open pages
+    cost the server one query per second per page type however many tabs follow them."""
+
+    def __init__(self, changes: Callable[[], int], fresh_for: float = FRESH_SECONDS) -> None:
+        self.changes, self.fresh_for = changes, fresh_for
+        self.recent: dict[str, tuple[float, int, dict[str, Any]]] = {}
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def get(self, page: str, read: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        async with self.locks[page]:
+            at, seen, data = self.recent.get(page, (-MAX_AGE, -1, {}))
+            age = time.monotonic() - at
+            if seen == self.changes() and age < MAX_AGE:
+                return data
+            if age < self.fresh_for:
+                await asyncio.sleep(self.fresh_for - age)  # a burst of changes: one read a second
+            at, seen = time.monotonic(), self.changes()
+            data = await read()
+            self.recent[page] = (at, seen, data)
+            return data
+
+
 class Dashboard:
     """The app's state: the runner, the hub, the templates and who may act."""
 
@@ -45,6 +73,7 @@ class Dashboard:
         self.runner, self.allow_actions, self.token = runner, allow_actions, token
         self.hub = Hub(runner.store)
         self.env = environment()
+        self.reads = Reads(lambda: self.hub.changes)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
         csrf = csrf_token(request)
@@ -63,11 +92,16 @@ class Dashboard:
         return response
 
     async def overview(self, request: Request) -> Response:
-        return self.render(request, "overview.html", **await pages.overview(self.runner))
+        data = await self.reads.get("overview", lambda: pages.overview(self.runner))
+        return self.render(request, "overview.html", **data)
 
     async def tasks(self, request: Request) -> Response:
         chosen = pages.TaskFilter.parse(dict(request.query_params))
-        return self.render(request, "tasks.html", **await pages.task_list(self.runner, chosen))
+        data = await self.reads.get(
+            f"tasks?{chosen.query(after=request.query_params.get('after'))}",
+            lambda: pages.task_list(self.runner, chosen),
+        )
+        return self.render(request, "tasks.html", **data)
 
     async def task(self, request: Request) -> Response:
         task = await self.runner.get(request.path_params["key"])
@@ -78,7 +112,8 @@ class Dashboard:
         return self.render(request, "workers.html", workers=await self.runner.workers())
 
     async def schedules(self, request: Request) -> Response:
-        return self.render(request, "schedules.html", **await pages.schedules(self.runner))
+        data = await self.reads.get("schedules", lambda: pages.schedules(self.runner))
+        return self.render(request, "schedules.html", **data)
 
     async def login(self, request: Request) -> Response:
         if not self.allow_actions or not same(request.query_params.get("token"), self.token):

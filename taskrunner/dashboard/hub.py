@@ -27,6 +27,8 @@ class Hub:
         self.store = store
         self.queue_size = queue_size
         self.subscribers: set[asyncio.Queue[str]] = set()
+        self.changes = 0
+        """How many changes the hub has seen (pages' cached reads compare it)."""
 
     def subscribe(self) -> asyncio.Queue[str]:
         queue: asyncio.Queue[str] = asyncio.Queue(self.queue_size)
@@ -37,6 +39,7 @@ class Hub:
         self.subscribers.discard(queue)
 
     def publish(self, message: str) -> None:
+        self.changes += 1
         for queue in self.subscribers:
             if queue.full():
                 queue.get_nowait()  # drop the oldest: the page re-reads the database anyway

@@ -15,7 +15,7 @@ from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Listing
 
 PAGE_SIZE = 50
-RECENT = 500  # tasks sampled (newest updated first, by index) for the throughput chart
+RECENT = 200  # tasks sampled (newest updated first, by index) for the throughput chart
 CHART_MINUTES = 10
 FINISHED_RUNS = (EntryState.SUCCESS, EntryState.FAIL)
 SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT}
@@ -45,6 +45,7 @@ async def overview(runner: TaskRunner) -> dict[str, Any]:
         "by_state": {state.value: by_state.get(state.value, 0) for state in TaskState},
         "workers": len(workers),
         "minutes": minutes(recent, now),
+        "sampled": RECENT,
     }
 
 
