@@ -1,0 +1,227 @@
+"""Dashboard render time with 10,000 tasks, and the load open pages put on the server.
+
+Starts the embedded server (``taskrunner dev-server --port 0``), publishes ``--tasks``
+tasks (four names, some delayed, some canceled), then serves the dashboard
+(``serve_dashboard``, uvicorn) in a thread of this process on a store whose commands a
+``RoundTripCounter`` counts. Render: each page is fetched over HTTP ``--repeat`` times
+one after another; ``<page>_p50_ms``/``<page>_p95_ms`` are the wall times of whole
+responses. Live load: ``--tabs`` headless chromium tabs of each page type (overview, task
+list, task page) stay open while a publisher writes ``--rate`` tasks per second for
+``--seconds``; ``live_commands_per_s`` is what the dashboard sent the server meanwhile,
+``change_streams_opened`` the change streams it opened in all (the issue's budget: one change
+stream and one query per second per open page type). The live part is skipped (figures
+null) without chromium.
+
+    uv run python bench/dashboard.py [--tasks 10000] [--repeat 30] [--tabs 2] [--rate 10]
+                                     [--seconds 10] [--smoke] [--results PATH]
+
+A full run takes about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import socket
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import add_common_args, emit, percentile
+from processes import dev_server
+from pymongo import monitoring
+
+from taskrunner import TaskRunner
+from taskrunner.dashboard import serve_dashboard
+from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.store.mongo import MongoStore
+
+COLLECTION = "dashboard"
+NAMES = ("send_email", "resize_image", "build_report", "charge_card")
+LIVE_PAGES = ("/", "/tasks", "/tasks/t00000")
+BUDGET_MS = 300.0
+
+
+class ChangeStreams(monitoring.CommandListener):
+    """Counts ``aggregate`` commands that open a change stream."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pipeline = event.command.get("pipeline") if event.command_name == "aggregate" else None
+        if pipeline and "$changeStream" in pipeline[0]:
+            self.opened += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        return None
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        return None
+
+
+async def populate(uri: str, tasks: int) -> None:
+    """``tasks`` tasks in batches: every tenth delayed a day, every fiftieth canceled."""
+    # A generous timeout: a bulk upsert of 250 documents can take seconds on a busy embedded server.
+    async with TaskRunner(uri, collection=COLLECTION, timeout=120) as runner:
+        await runner.init()
+        for start in range(0, tasks, 250):
+            batch = [
+                {"name": NAMES[i % len(NAMES)], "key": f"t{i:05}", "params": {"n": i}}
+                | ({"delay": timedelta(days=1)} if i % 10 == 0 else {})
+                for i in range(start, min(start + 250, tasks))
+            ]
+            await runner.publish_many(batch, allow_unknown=True)
+        for i in range(1, tasks, 50):
+            await runner.cancel(f"t{i:05}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class DashboardThread:
+    """``serve_dashboard`` on its own event loop in a thread, its commands counted."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri, self.port = uri, free_port()
+        self.counter, self.streams = RoundTripCounter(), ChangeStreams()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._serve(),), daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self) -> None:
+        listeners = [self.counter, self.streams]
+        store = MongoStore.connect(self.uri, collection=COLLECTION, timeout=120, event_listeners=listeners)
+        async with TaskRunner(self.uri, collection=COLLECTION, store=store) as runner:
+            await serve_dashboard(runner, port=self.port)
+
+    def __enter__(self) -> DashboardThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(self.url + "/", timeout=5)
+                return self
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        return None  # a daemon thread: it ends with the process, after the figures are out
+
+
+def pages(client: httpx.Client) -> dict[str, str]:
+    """The pages to time: every route, a filtered list, the second page of the list, fragments."""
+    first = client.get("/tasks").text
+    after = re.search(r'href="(/tasks\?[^"]*after=[^"]*)"', first)
+    found = {
+        "overview": "/",
+        "overview_fragment": "/?fragment=1",
+        "tasks": "/tasks",
+        "tasks_filtered": "/tasks?state=PENDING&name=resize_image&prefix=t0",
+        "tasks_by_updated": "/tasks?sort=updated",
+        "task": "/tasks/t00042",
+        "workers": "/workers",
+        "schedules": "/schedules",
+    }
+    if after:
+        found["tasks_page2"] = after.group(1).replace("&amp;", "&")
+    return found
+
+
+def time_pages(url: str, repeat: int) -> dict[str, float]:
+    """p50/p95 (ms) of each page's whole HTTP response; every response must be 200."""
+    figures: dict[str, float] = {}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for name, path in pages(client).items():
+            times = []
+            for _ in range(repeat):
+                started = time.perf_counter()
+                response = client.get(path)
+                times.append((time.perf_counter() - started) * 1000)
+                if response.status_code != 200:
+                    raise RuntimeError(f"{path} answered {response.status_code}")
+            figures[f"{name}_p50_ms"] = round(percentile(times, 50), 1)
+            figures[f"{name}_p95_ms"] = round(percentile(times, 95), 1)
+    return figures
+
+
+async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromium: str) -> dict[str, Any]:
+    """Commands the dashboard sends while ``--tabs`` tabs per page type watch a stream of publishes."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(
+            executable_path=chromium, headless=True, args=["--no-sandbox"]
+        )
+        tabs = []
+        for path in LIVE_PAGES * args.tabs:
+            tab = await browser.new_page()
+            await tab.goto(dashboard.url + path)
+            await tab.wait_for_selector('body[data-live="on"]', timeout=15_000)
+            tabs.append(tab)
+        opened_before = dashboard.streams.opened
+        dashboard.counter.reset()
+        started = time.monotonic()
+        await publish_stream(dashboard.uri, args.rate, args.seconds)
+        elapsed = time.monotonic() - started
+        counts = Counter(dashboard.counter.reset())
+        await browser.close()
+    return {
+        "live_commands_per_s": round(sum(counts.values()) / elapsed, 2),
+        "live_commands_by_name_per_s": {k: round(v / elapsed, 2) for k, v in sorted(counts.items())},
+        "change_streams_opened": dashboard.streams.opened,
+        "change_streams_opened_while_live": dashboard.streams.opened - opened_before,
+        "open_tabs": len(tabs),
+    }
+
+
+async def publish_stream(uri: str, rate: float, seconds: float) -> None:
+    async with TaskRunner(uri, collection=COLLECTION) as runner:
+        for i in range(int(rate * seconds)):
+            await runner.publish(NAMES[i % len(NAMES)], {"n": i}, key=f"live{i:05}", allow_unknown=True)
+            await asyncio.sleep(1 / rate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--tasks", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=30, help="fetches of each page")
+    parser.add_argument("--tabs", type=int, default=2, help="open chromium tabs per page type (0: skip)")
+    parser.add_argument("--rate", type=float, default=10.0, help="tasks published per second while live")
+    parser.add_argument("--seconds", type=float, default=10.0, help="how long the live part lasts")
+    parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    add_common_args(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.tasks, args.repeat, args.tabs, args.seconds = 200, 3, 1, 2.0
+    with dev_server() as uri:
+        asyncio.run(populate(uri, args.tasks))
+        with DashboardThread(uri) as dashboard:
+            figures: dict[str, Any] = time_pages(dashboard.url, args.repeat)
+            live = args.tabs > 0 and Path(args.chromium).exists()
+            figures |= asyncio.run(live_load(dashboard, args, args.chromium)) if live else {}
+    worst = max(v for k, v in figures.items() if k.endswith("_p95_ms"))
+    figures |= {"worst_p95_ms": worst, "within_budget": worst < BUDGET_MS}
+    config = {"tasks": args.tasks, "tabs": args.tabs, "rate": args.rate}
+    emit("dashboard", config, figures, results=args.results, smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    main()
