@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import re
 import shutil
-import socket
 import threading
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ from pymongo import monitoring
 
 from taskrunner import TaskRunner
 from taskrunner.dashboard import serve_dashboard
+from taskrunner.dev.processes import free_port
 from taskrunner.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
 
@@ -80,13 +80,6 @@ async def populate(uri: str, tasks: int) -> None:
             await runner.publish_many(batch, allow_unknown=True)
         for i in range(1, tasks, 50):
             await runner.cancel(f"t{i:05}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class DashboardThread:

@@ -17,12 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from taskrunner import Fail, TaskContext, TaskRunner, TaskState
-from taskrunner.dev.processes import LoggedProcess, ProcessGroup, worker_env
+from taskrunner.dev.processes import ProcessGroup, free_port, wait_http, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "dashboard"
@@ -103,28 +100,6 @@ async def settle(publisher: TaskRunner, within: float = 60) -> None:
             return
         await asyncio.sleep(0.2)
     raise RuntimeError("the sample tasks did not settle within a minute")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_http(url: str, process: LoggedProcess, within: float = 30) -> None:
-    """Return once ``url`` answers; raise with the process's log if it does not."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            if time.monotonic() > deadline or not process.alive():
-                raise RuntimeError(f"{process.name} did not answer at {url}:\n{process.tail(40)}") from None
-            time.sleep(0.1)
 
 
 async def photograph(base: str, chromium: str, out: Path) -> list[Path]:

@@ -19,9 +19,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -238,3 +241,29 @@ def dev_server() -> Iterator[tuple[subprocess.Popen[str], str]]:
         if process.poll() is None:
             process.kill()
         process.communicate()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_http(url: str, process: LoggedProcess | None = None, within: float = 30) -> None:
+    """Return once ``url`` answers at all (any HTTP status). After ``within`` seconds, or
+    as soon as ``process`` (the server behind it) has exited, raise: with its log when given."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            if process is not None and (time.monotonic() > deadline or not process.alive()):
+                raise RuntimeError(f"{process.name} did not answer at {url}:\n{process.tail(40)}") from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

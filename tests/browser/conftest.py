@@ -9,11 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from taskrunner.dev.processes import LoggedProcess, ProcessGroup, worker_env
+from taskrunner.dev.processes import LoggedProcess, ProcessGroup, free_port, wait_http, worker_env
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser, Dialog, Page
@@ -50,28 +46,6 @@ def chromium() -> str:
     if path is None:
         pytest.skip(f"no chromium: apt-get install -y chromium (.ci/run does), or set {CHROMIUM_ENV}")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_http(url: str, within: float) -> None:
-    """Return once ``url`` answers at all (any HTTP status); raise after ``within`` s."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 @dataclass
@@ -105,7 +79,7 @@ def dashboard_factory(
             )
             url = f"http://127.0.0.1:{port}"
             try:
-                wait_http(url + "/", 30)
+                wait_http(url + "/", within=30)
             except OSError:
                 raise AssertionError(f"the dashboard did not answer:\n{process.tail(40)}") from None
             return Dashboard(url, token, process)

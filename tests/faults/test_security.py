@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from workers import TESTS_DIR, WorkerPool, wait_exit
 
 import taskrunner
 from taskrunner import NewTask, TaskRunner, TaskState, rules
+from taskrunner.dev.processes import free_port
 from taskrunner.execution import Execution, error_of
 from taskrunner.redact import redact
 from taskrunner.store.memory import MemoryStore
@@ -41,14 +41,6 @@ CODE_LIKE_NAMES = [
     "builtins.exec",
     "subprocess.run",
 ]
-
-
-def free_port() -> int:
-    """A local port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def secret_uri() -> str:
