@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 from collections import Counter
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,14 @@ class ChangeStreams(monitoring.CommandListener):
 
 
 async def populate(uri: str, tasks: int) -> None:
-    """``tasks`` tasks in batches: every tenth delayed a day, every fiftieth canceled."""
+    """``tasks`` tasks in batches: every tenth delayed a day, every fiftieth canceled
+    (from the first missing one: a server given with ``--uri`` may hold them already)."""
     # A generous timeout: a bulk upsert of 250 documents can take seconds on a busy embedded server.
-    async with TaskRunner(uri, collection=COLLECTION, timeout=120) as runner:
+    async with TaskRunner(uri, collection=COLLECTION, timeout=300) as runner:
         await runner.init()
-        for start in range(0, tasks, 250):
+        have = (await runner.store.stats()).counts
+        first = sum(sum(counts.values()) for counts in have.values())
+        for start in range(first, tasks, 250):
             batch = [
                 {"name": NAMES[i % len(NAMES)], "key": f"t{i:05}", "params": {"n": i}}
                 | ({"delay": timedelta(days=1)} if i % 10 == 0 else {})
@@ -79,7 +83,8 @@ async def populate(uri: str, tasks: int) -> None:
             ]
             await runner.publish_many(batch, allow_unknown=True)
         for i in range(1, tasks, 50):
-            await runner.cancel(f"t{i:05}")
+            if i >= first:
+                await runner.cancel(f"t{i:05}")
 
 
 class DashboardThread:
@@ -138,21 +143,36 @@ def pages(client: httpx.Client) -> dict[str, str]:
     return found
 
 
+def fetch_ms(client: httpx.Client, path: str) -> float:
+    """One whole HTTP response's wall time (ms); anything but 200 is an error."""
+    started = time.perf_counter()
+    response = client.get(path)
+    if response.status_code != 200:
+        raise RuntimeError(f"{path} answered {response.status_code}")
+    return (time.perf_counter() - started) * 1000
+
+
 def time_pages(url: str, repeat: int) -> dict[str, float]:
-    """p50/p95 (ms) of each page's whole HTTP response; every response must be 200."""
+    """Each page's first response (``<page>_first_ms``: a page or filter nobody opened yet
+    is read before it renders) and p50/p95 of the ``repeat`` after it."""
     figures: dict[str, float] = {}
-    with httpx.Client(base_url=url, timeout=30) as client:
+    with httpx.Client(base_url=url, timeout=60) as client:
         for name, path in pages(client).items():
-            times = []
-            for _ in range(repeat):
-                started = time.perf_counter()
-                response = client.get(path)
-                times.append((time.perf_counter() - started) * 1000)
-                if response.status_code != 200:
-                    raise RuntimeError(f"{path} answered {response.status_code}")
+            figures[f"{name}_first_ms"] = round(fetch_ms(client, path), 1)
+            times = [fetch_ms(client, path) for _ in range(repeat)]
             figures[f"{name}_p50_ms"] = round(percentile(times, 50), 1)
             figures[f"{name}_p95_ms"] = round(percentile(times, 95), 1)
     return figures
+
+
+def time_while_changing(url: str, stop: threading.Event) -> list[float]:
+    """Response times of the overview and the task list, fetched in turn until ``stop``."""
+    times: list[float] = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            times += [fetch_ms(client, "/"), fetch_ms(client, "/tasks")]
+            time.sleep(0.2)
+    return times
 
 
 async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromium: str) -> dict[str, Any]:
@@ -171,12 +191,17 @@ async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromi
             tabs.append(tab)
         opened_before = dashboard.streams.opened
         dashboard.counter.reset()
-        started = time.monotonic()
+        started, stop = time.monotonic(), threading.Event()
+        timing = asyncio.create_task(asyncio.to_thread(time_while_changing, dashboard.url, stop))
         await publish_stream(dashboard.uri, args.rate, args.seconds)
         elapsed = time.monotonic() - started
         counts = Counter(dashboard.counter.reset())
+        stop.set()
+        renders = await timing
         await browser.close()
     return {
+        "live_render_p50_ms": round(percentile(renders, 50), 1),
+        "live_render_p95_ms": round(percentile(renders, 95), 1),
         "live_commands_per_s": round(sum(counts.values()) / elapsed, 2),
         "live_commands_by_name_per_s": {k: round(v / elapsed, 2) for k, v in sorted(counts.items())},
         "change_streams_opened": dashboard.streams.opened,
@@ -200,11 +225,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="tasks published per second while live")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long the live part lasts")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    parser.add_argument("--uri", help="a running server to use (its collection is filled up to --tasks)")
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
         args.tasks, args.repeat, args.tabs, args.seconds = 200, 3, 1, 2.0
-    with dev_server() as uri:
+    with nullcontext(args.uri) if args.uri else dev_server() as uri:
         asyncio.run(populate(uri, args.tasks))
         with DashboardThread(uri) as dashboard:
             figures: dict[str, Any] = time_pages(dashboard.url, args.repeat)

@@ -181,6 +181,11 @@ class GateDoc(BaseModel):
     def shape_now(self) -> str:
         return f"{len(self.lanes)}/{len(self.running)}"
 
+    def started_within_period(self, now: datetime) -> int:
+        """Lanes with a start in the last period (a lane's ``next`` is its last start plus
+        the period): the rate used right now, out of ``len(lanes)``."""
+        return sum(lane.next > now for lane in self.lanes)
+
 
 @dataclass(slots=True)
 class HeldLane:

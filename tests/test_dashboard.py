@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -15,13 +15,15 @@ from pydantic import BaseModel
 
 from taskrunner import fields as f
 from taskrunner.dashboard import create_app, serve_dashboard
-from taskrunner.dashboard.app import Reads
 from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
+from taskrunner.dashboard.snapshots import Snapshots
+from taskrunner.errors import StoreError
 from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Listing, Store
 from taskrunner.store.memory import MemoryStore
+from taskrunner.testing import wait_for
 
 TOKEN = "secret-token"
 PAGES = ["/", "/tasks", "/workers", "/schedules", "/tasks?state=PENDING&sort=updated"]
@@ -191,6 +193,22 @@ async def test_task_list_pages_by_position_without_repeats() -> None:
     assert seen == [f"k{i:03}" for i in reversed(range(120))]
 
 
+async def test_schedules_page_shows_the_rate_used_in_the_last_period() -> None:
+    """A rate-limited name shows how many of its lanes started within the last period, on
+    its busiest gate (lanes whose next start is still ahead of the server's clock)."""
+    store = MemoryStore()
+    runner = TaskRunner(store=store)
+    await store.declare_limits("call_api", {"rate_limit": "3/s"})
+    now = await store.server_time()
+    lanes = [{"next": now + timedelta(seconds=0.5)}, {"next": now - timedelta(seconds=1)}, {}]
+    await store.update_gate('call_api#"acme"', {}, {"name": "call_api", "lanes": lanes}, create=True)
+    await store.update_gate('call_api#"zeta"', {}, {"name": "call_api", "lanes": [{}, {}, {}]}, create=True)
+    async with client(runner) as http:
+        page = (await http.get("/schedules")).text
+    cell = re.search(r'<td data-rate-use="call_api">([^<]*)</td>', page)
+    assert cell is not None and cell.group(1) == "1 / 3 (busiest of 2 gates)"
+
+
 async def test_bad_filter_is_a_400() -> None:
     """An unknown state, sort or cursor answers 400, not a stack trace."""
     async with client(TaskRunner(store=MemoryStore())) as http:
@@ -348,20 +366,78 @@ def test_binding_beyond_loopback_warns() -> None:
     assert warning is not None and warning.startswith("WARNING")
 
 
-async def test_page_reads_are_shared_and_follow_changes() -> None:
-    """Tabs share a page's read until a change; after a change the page is read again, but
-    never twice within ``fresh_for``, however many tabs ask."""
-    changes, reads = [0], [0]
+class Counted:
+    """A page read that counts its calls (and fails when told to)."""
 
-    async def read() -> dict[str, Any]:
-        reads[0] += 1
-        return {"n": reads[0]}
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail = False
 
-    cache = Reads(lambda: changes[0], fresh_for=0.3)
-    assert [await cache.get("overview", read) for _ in range(3)] == [{"n": 1}] * 3
+    async def __call__(self) -> dict[str, Any]:
+        self.calls += 1
+        if self.fail:
+            raise StoreError("server away")
+        return {"n": self.calls}
+
+
+def data(snapshot: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in snapshot.items() if k not in ("as_of", "refreshing")}
+
+
+async def test_tabs_share_one_read_of_a_page() -> None:
+    """However many tabs ask at once, a page with no snapshot is read once."""
+    read = Counted()
+    snapshots = Snapshots(lambda: 0)
+    results = await asyncio.gather(*(snapshots.get("overview", read) for _ in range(5)))
+    assert [data(r) for r in results] == [{"n": 1}] * 5 and read.calls == 1
+    assert data(await snapshots.get("overview", read)) == {"n": 1} and read.calls == 1
+
+
+async def test_after_a_change_the_old_snapshot_renders_and_a_fresh_one_is_announced() -> None:
+    """A request after a change gets the last snapshot at once, one background read starts,
+    and when it lands the page is announced fresh and served from then on."""
+    changes, fresh, read = [0], asyncio.Queue[str](), Counted()
+    snapshots = Snapshots(lambda: changes[0], fresh.put_nowait, fresh_for=0.0)
+    await snapshots.get("overview", read)
+    assert await fresh.get() == "overview"  # the first read announces itself too
     changes[0] += 1
+    stale = await snapshots.get("overview", read)
+    assert data(stale) == {"n": 1} and stale["refreshing"] is True
+    assert await asyncio.wait_for(fresh.get(), 10) == "overview"
+    assert data(await snapshots.get("overview", read)) == {"n": 2} and read.calls == 2
+
+
+async def test_re_reads_are_spaced_by_fresh_for() -> None:
+    """Changes in a burst cause one re-read per ``fresh_for``, not one per change or request."""
+    changes, fresh, read = [0], asyncio.Queue[str](), Counted()
+    snapshots = Snapshots(lambda: changes[0], fresh.put_nowait, fresh_for=0.5)
+    await snapshots.get("overview", read)
+    await fresh.get()
     started = asyncio.get_running_loop().time()
-    results = await asyncio.gather(*(cache.get("overview", read) for _ in range(5)))
-    assert results == [{"n": 2}] * 5
-    assert asyncio.get_running_loop().time() - started >= 0.2  # waited out the first read's second
-    assert await cache.get("tasks?state=FAIL", read) == {"n": 3}
+    for _ in range(10):
+        changes[0] += 1
+        await snapshots.get("overview", read)
+    await asyncio.wait_for(fresh.get(), 10)
+    assert read.calls == 2
+    assert asyncio.get_running_loop().time() - started >= 0.4  # waited out the first read's gap
+
+
+async def test_forget_makes_the_next_request_read_first() -> None:
+    """After an action the next request reads the page before rendering it."""
+    read = Counted()
+    snapshots = Snapshots(lambda: 0)
+    await snapshots.get("schedules", read)
+    snapshots.forget()
+    assert data(await snapshots.get("schedules", read)) == {"n": 2}
+
+
+async def test_a_failed_background_read_keeps_the_last_snapshot() -> None:
+    """The server going away during a re-read leaves the page showing its last read."""
+    changes, read = [0], Counted()
+    snapshots = Snapshots(lambda: changes[0], fresh_for=0.0)
+    await snapshots.get("overview", read)
+    read.fail, changes[0] = True, 1
+    await snapshots.get("overview", read)
+    await wait_for(lambda: not snapshots.reading, 10, "the background read to end")
+    assert data(await snapshots.get("overview", read)) == {"n": 1}
+    assert read.calls >= 2

@@ -921,6 +921,15 @@ async def test_a_gate_is_written_only_where_its_expectations_hold(store: Store) 
     assert stored is not None and [lane["holder"] for lane in stored["lanes"]] == [None, "p1", "p3"]
 
 
+async def test_gates_lists_the_gate_documents_of_the_names_asked(store: Store) -> None:
+    """``gates`` returns every gate of the names asked (one per ``limit_by`` value), no other."""
+    for gate, name in (("a", "a"), ('a#"x"', "a"), ('a#"y"', "a"), ("b", "b")):
+        await store.update_gate(gate, {}, {"name": name, "shape": "1/0"}, create=True)
+    assert sorted(doc["_id"] for doc in await store.gates(["a"])) == ["a", 'a#"x"', 'a#"y"']
+    assert len(await store.gates(["a", "b"], limit=2)) == 2
+    assert await store.gates(["c"]) == []
+
+
 async def test_a_claim_with_a_window_happens_only_within_it_by_server_time(store: Store) -> None:
     """A gate's permit: outside its window (server time) the task is not claimed, inside it is."""
     await publish(store, task("w1"), task("w2"))

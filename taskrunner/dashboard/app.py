@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -21,8 +19,9 @@ from starlette.staticfiles import StaticFiles
 
 from taskrunner.dashboard import pages
 from taskrunner.dashboard.actions import ACTIONS
-from taskrunner.dashboard.hub import Hub
+from taskrunner.dashboard.hub import Hub, fresh_message
 from taskrunner.dashboard.security import csrf_token, log_in, may_act, new_token, remember_csrf, same
+from taskrunner.dashboard.snapshots import Snapshots
 from taskrunner.errors import TaskNotFound, TaskRunnerError
 from taskrunner.models import TaskState
 from taskrunner.redact import redact
@@ -30,8 +29,6 @@ from taskrunner.runner import TaskRunner
 
 HERE = Path(__file__).parent
 KEEPALIVE_SECONDS = 15.0
-FRESH_SECONDS = 1.0
-MAX_AGE = 5.0  # the registry (live workers) has no change stream: re-read it this often
 
 
 def environment() -> Environment:
@@ -42,30 +39,6 @@ def environment() -> Environment:
     return env
 
 
-class Reads:
-    """Each page's data, shared by every tab: read again only after a change (``changes()``
-    moved) or ``MAX_AGE`` seconds, and at most once per ``fresh_for`` seconds, so open pages
-    cost the server one query per second per page type however many tabs follow them."""
-
-    def __init__(self, changes: Callable[[], int], fresh_for: float = FRESH_SECONDS) -> None:
-        self.changes, self.fresh_for = changes, fresh_for
-        self.recent: dict[str, tuple[float, int, dict[str, Any]]] = {}
-        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-
-    async def get(self, page: str, read: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        async with self.locks[page]:
-            at, seen, data = self.recent.get(page, (-MAX_AGE, -1, {}))
-            age = time.monotonic() - at
-            if seen == self.changes() and age < MAX_AGE:
-                return data
-            if age < self.fresh_for:
-                await asyncio.sleep(self.fresh_for - age)  # a burst of changes: one read a second
-            at, seen = time.monotonic(), self.changes()
-            data = await read()
-            self.recent[page] = (at, seen, data)
-            return data
-
-
 class Dashboard:
     """The app's state: the runner, the hub, the templates and who may act."""
 
@@ -73,7 +46,16 @@ class Dashboard:
         self.runner, self.allow_actions, self.token = runner, allow_actions, token
         self.hub = Hub(runner.store)
         self.env = environment()
-        self.reads = Reads(lambda: self.hub.changes)
+        self.snapshots = Snapshots(
+            lambda: self.hub.changes, lambda page: self.hub.announce(fresh_message(page))
+        )
+
+    def warm(self) -> None:
+        """Read the pages with counts in the background, so first visits render at once."""
+        self.snapshots.warm("overview", lambda: pages.overview(self.runner))
+        self.snapshots.warm("schedules", lambda: pages.schedules(self.runner))
+        default = pages.TaskFilter()
+        self.snapshots.warm(default.page(), lambda: pages.task_list(self.runner, default))
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
         csrf = csrf_token(request)
@@ -92,16 +74,14 @@ class Dashboard:
         return response
 
     async def overview(self, request: Request) -> Response:
-        data = await self.reads.get("overview", lambda: pages.overview(self.runner))
-        return self.render(request, "overview.html", **data)
+        data = await self.snapshots.get("overview", lambda: pages.overview(self.runner))
+        return self.render(request, "overview.html", page="overview", **data)
 
     async def tasks(self, request: Request) -> Response:
         chosen = pages.TaskFilter.parse(dict(request.query_params))
-        data = await self.reads.get(
-            f"tasks?{chosen.query(after=request.query_params.get('after'))}",
-            lambda: pages.task_list(self.runner, chosen),
-        )
-        return self.render(request, "tasks.html", **data)
+        page = chosen.page()
+        data = await self.snapshots.get(page, lambda: pages.task_list(self.runner, chosen))
+        return self.render(request, "tasks.html", page=page, **data)
 
     async def task(self, request: Request) -> Response:
         task = await self.runner.get(request.path_params["key"])
@@ -112,8 +92,8 @@ class Dashboard:
         return self.render(request, "workers.html", workers=await self.runner.workers())
 
     async def schedules(self, request: Request) -> Response:
-        data = await self.reads.get("schedules", lambda: pages.schedules(self.runner))
-        return self.render(request, "schedules.html", **data)
+        data = await self.snapshots.get("schedules", lambda: pages.schedules(self.runner))
+        return self.render(request, "schedules.html", page="schedules", **data)
 
     async def login(self, request: Request) -> Response:
         if not self.allow_actions or not same(request.query_params.get("token"), self.token):
@@ -129,7 +109,9 @@ class Dashboard:
         action = ACTIONS.get(request.path_params["action"])
         if action is None:
             return self.render(request, "error.html", 404, message="no such action")
-        return RedirectResponse(await action(self.runner, form), status_code=303)
+        target = await action(self.runner, form)
+        self.snapshots.forget()  # the page the action leads to shows its effect
+        return RedirectResponse(target, status_code=303)
 
     async def events(self, request: Request) -> Response:
         return StreamingResponse(self._stream(request), media_type="text/event-stream")
@@ -181,9 +163,11 @@ def create_app(runner: TaskRunner, *, allow_actions: bool = False, token: str | 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         hub = asyncio.create_task(dashboard.hub.run())
+        dashboard.warm()
         try:
             yield
         finally:
+            await dashboard.snapshots.close()
             hub.cancel()
             with suppress(asyncio.CancelledError):
                 await hub

@@ -39,7 +39,12 @@ class Hub:
         self.subscribers.discard(queue)
 
     def publish(self, message: str) -> None:
+        """A change of the task collection, to every subscriber."""
         self.changes += 1
+        self.announce(message)
+
+    def announce(self, message: str) -> None:
+        """A message to every subscriber that is not a change (a page read anew)."""
         for queue in self.subscribers:
             if queue.full():
                 queue.get_nowait()  # drop the oldest: the page re-reads the database anyway
@@ -75,6 +80,11 @@ class Hub:
                 seen = now
                 self.publish(json.dumps({"kind": "poll", "key": None}))
             await asyncio.sleep(POLL_SECONDS)
+
+
+def fresh_message(page: str) -> str:
+    """The SSE data line saying ``page`` was read anew (its tabs fetch it again)."""
+    return json.dumps({"kind": "fresh", "page": page})
 
 
 def event_message(event: ChangeEvent) -> str:

@@ -6,9 +6,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from taskrunner import fields as f
 from taskrunner.errors import InvalidTask
+from taskrunner.gates import GateDoc
 from taskrunner.limits import LimitState
 from taskrunner.models import EntryState, Task, TaskState
 from taskrunner.runner import TaskRunner
@@ -107,6 +109,11 @@ class TaskFilter:
             self.state, self.name, self.worker, self.prefix, SORTS[self.sort], self.after, PAGE_SIZE
         )
 
+    def page(self) -> str:
+        """The key of this listing's snapshot (``tasks?state=FAIL&sort=created``)."""
+        after = f"{self.after[0].isoformat()}|{self.after[1]}" if self.after else None
+        return "tasks?" + urlencode(self.query(after=after))
+
     def query(self, **changes: str | None) -> dict[str, str]:
         """This filter as query parameters (for links), with ``changes``."""
         params = {"state": self.state.value if self.state else None, "name": self.name}
@@ -147,6 +154,31 @@ def progress(task: Task) -> float | None:
     return None
 
 
+@dataclass
+class RateUse:
+    """A rate-limited name's starts in the last period, on its busiest gate (one gate per
+    name, or per ``limit_by`` value)."""
+
+    busiest: int = 0
+    lanes: int = 0
+    gates: int = 0
+
+
+async def rate_use(runner: TaskRunner, names: list[str]) -> dict[str, RateUse]:
+    if not names:
+        return {}
+    docs = await runner.store.gates(names)
+    now = await runner.store.server_time()
+    use: dict[str, RateUse] = {}
+    for doc in docs:
+        gate, problem = GateDoc.read(doc, str(doc.get(f.ID)), str(doc.get(f.NAME)))
+        if problem is None and gate.lanes:
+            one = use.setdefault(gate.name, RateUse())
+            one.busiest = max(one.busiest, gate.started_within_period(now))
+            one.lanes, one.gates = max(one.lanes, len(gate.lanes)), one.gates + 1
+    return use
+
+
 async def schedules(runner: TaskRunner) -> dict[str, Any]:
     stats = await runner.stats()
     stored = await runner.store.limits()
@@ -155,6 +187,7 @@ async def schedules(runner: TaskRunner) -> dict[str, Any]:
     return {
         "schedules": await runner.schedule_overview(),
         "limits": limits,
+        "rate_use": await rate_use(runner, sorted(limits)),
         "unreadable": {name: problem for name, problem in stored.items() if isinstance(problem, str)},
         "running": running,
         "paused": stats.paused,

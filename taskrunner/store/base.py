@@ -357,6 +357,9 @@ class Store(Protocol):
     async def read_gate(self, gate: str) -> dict[str, Any] | None:
         """The stored gate document (``taskrunner.gates``), or None."""
 
+    async def gates(self, names: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
+        """The stored gate documents of ``names`` (at most ``limit``), for operators."""
+
     async def update_gate(
         self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
     ) -> dict[str, Any] | None:

@@ -511,6 +511,10 @@ class MemoryStore:
         doc = self._gates.get(gate)
         return dict(_clone(doc)) if doc is not None else None
 
+    async def gates(self, names: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
+        chosen = [doc for doc in self._gates.values() if doc.get(f.NAME) in names]
+        return [dict(_clone(doc)) for doc in chosen[:limit]]
+
     async def update_gate(
         self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
     ) -> dict[str, Any] | None:

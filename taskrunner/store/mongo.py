@@ -700,6 +700,10 @@ class MongoStore:
         with mapped_errors():
             return await self.gate_docs.find_one({f.ID: gate})
 
+    async def gates(self, names: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
+        with mapped_errors():
+            return await self.gate_docs.find({f.NAME: {"$in": list(names)}}).limit(limit).to_list()
+
     async def update_gate(
         self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
     ) -> dict[str, Any] | None:

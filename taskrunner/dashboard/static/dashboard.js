@@ -1,5 +1,7 @@
 // Live pages without a build step: one EventSource per tab; on a change relevant to the
 // page, re-fetch the page's fragment (?fragment=1) and swap it in, at most once a second.
+// Pages with counts render the server's latest read of them and start a new one; a
+// "fresh" event for the page (data-page) says it landed, and the page is fetched again.
 "use strict";
 (function () {
   const main = document.getElementById("main");
@@ -33,6 +35,7 @@
   }
 
   function relevant(change) {
+    if (change.kind === "fresh") return change.page === main.dataset.page;
     if (mode === "any") return true;
     if (mode === "key") return change.key === null || change.key === main.dataset.key;
     return false;
