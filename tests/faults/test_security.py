@@ -277,7 +277,7 @@ def dev_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, str]]]:
                 cwd=TESTS_DIR,
             )
         procs.append(proc)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a busy machine starts Python and mongoeco slowly
         while not out.read_text().strip():
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
             time.sleep(0.05)
