@@ -229,7 +229,7 @@ def main() -> None:
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.tasks, args.repeat, args.tabs, args.seconds = 200, 3, 1, 2.0
+        args.tasks, args.repeat, args.tabs, args.seconds = 200, 3, min(args.tabs, 1), 2.0
     with nullcontext(args.uri) if args.uri else dev_server() as uri:
         asyncio.run(populate(uri, args.tasks))
         with DashboardThread(uri) as dashboard:

@@ -658,6 +658,51 @@ def heartbeat(r: Report) -> None:
     r.command("uv run python bench/heartbeat.py --in-flight 1,10,50")
 
 
+DASHBOARD_PAGES = (
+    "overview",
+    "overview_fragment",
+    "tasks",
+    "tasks_filtered",
+    "tasks_by_updated",
+    "tasks_page2",
+    "task",
+    "workers",
+    "schedules",
+)
+
+
+def dashboard(r: Report) -> None:
+    r.add(
+        "",
+        "## Dashboard render time",
+        "",
+        "`taskrunner dashboard` over the embedded server holding N tasks: each page's whole HTTP "
+        "response, first (a page or filter nobody opened yet is read before it renders) and over "
+        "the repeats after it (pages render the latest read and re-read in the background); then "
+        "renders and server commands per second while chromium tabs watch tasks being published.",
+    )
+    if r.not_run("dashboard"):
+        return
+    for g in r.groups("dashboard", key=lambda g: numeric(g.get("tasks"))):
+        rows = [
+            [page, *(fmt(g.median(f"{page}_{kind}_ms"), 0) for kind in ("first", "p50", "p95"))]
+            for page in DASHBOARD_PAGES
+            if g.median(f"{page}_p50_ms") is not None
+        ]
+        r.add("", f"{fmt(g.get('tasks'), 0)} tasks, n = {g.n}:", "")
+        r.add(*table(["page", "first ms", "p50 ms", "p95 ms"], rows))
+        live = [
+            ("renders while publishing, p50 / p95 ms", "live_render_p50_ms", "live_render_p95_ms"),
+            ("dashboard commands per second with tabs open", "live_commands_per_s", None),
+            ("change streams opened", "change_streams_opened", None),
+        ]
+        r.add("")
+        for text, first, second in live:
+            value = fmt(g.median(first), 1) + (f" / {fmt(g.median(second), 1)}" if second else "")
+            r.add(f"- {text}: {value}")
+    r.command("uv run python bench/dashboard.py --tasks 10000")
+
+
 def machines(r: Report) -> None:
     runs = [run for gs in r.benches.values() for g in gs for run in g.runs]
     r.add("", "## Machine and dates", "")
@@ -704,6 +749,7 @@ def render(results: Path, out: Path, *, smoke: bool = False) -> Report:
         takeover,
         cpu,
         heartbeat,
+        dashboard,
         machines,
     ):
         section(r)

@@ -3,7 +3,7 @@
 Each script runs as a subprocess, one after another (they share two cores badly):
 roundtrips (workers 1,2,4,8, with and without batching), claim_storm (workers
 2,4,8,16), pickup (stream, polling), baseline, throughput, takeover, cpu and
-heartbeat, versus (taskrunner and the hand-rolled loop side by side) and idle,
+heartbeat, versus (taskrunner and the hand-rolled loop side by side), idle and dashboard,
 ``--runs`` times each (default 3: the report takes the median of the
 latest 3), appending to ``--results``; then the report renders docs/benchmarks.md.
 A script that is missing or fails is reported and the rest still run; the exit
@@ -49,6 +49,7 @@ BENCHES: dict[str, tuple[str, list[list[str]]]] = {
         ],
     ),
     "idle": ("idle.py", [["--workers", "4"]]),
+    "dashboard": ("dashboard.py", [["--tasks", "10000"]]),
 }
 SMOKE_ARGS = {"pickup": [["--mode", "stream"]]}  # one smoke invocation is enough elsewhere
 

@@ -15,14 +15,16 @@ pytestmark = pytest.mark.embedded
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def run_bench(script: str, *args: str, results: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_bench(
+    script: str, *args: str, results: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> dict[str, Any]:
     """Run ``bench/<script>`` with ``--results`` in a tmp file; return its one JSON line."""
     pytest.importorskip("mongoeco")
     done = subprocess.run(
         [sys.executable, str(BENCH / script), *args, "--results", str(results)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         env=env,
         check=False,
     )
@@ -240,6 +242,16 @@ def synthetic_lines() -> list[dict[str, Any]]:
             },
         )
     )
+    pages = ("overview", "tasks", "task", "workers", "schedules")
+    render = {
+        f"{page}_{kind}_ms": ms
+        for page in pages
+        for kind, ms in (("first", 900.0), ("p50", 12.0), ("p95", 25.0))
+    }
+    live = {"live_render_p50_ms": 15.0, "live_render_p95_ms": 40.0, "live_commands_per_s": 3.5}
+    configs.append(
+        ("dashboard", {"tasks": 10000, "tabs": 2, "rate": 10.0}, render | live | {"change_streams_opened": 1})
+    )
     return [
         {
             "bench": bench,
@@ -291,6 +303,7 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
         "## Takeover time",
         "## Worker CPU per task",
         "## Heartbeat writes",
+        "## Dashboard render time",
         "## Machine and dates",
     ):
         assert heading in text
@@ -300,6 +313,7 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     assert "| 16 | 1.2 | 30 | 14 | 40 | 3 |" in text  # latest 3 of 4 runs
     assert "Test CPU" in text and "2026-11-22T08:01:00" in text and "2026-11-22T08:00:00" not in text
     assert "| one | no | 4 | 40 | 20 | 2 | 5 / 30 |" in text  # the ratio within each round
+    assert "| tasks | 900 | 12 | 25 |" in text and "while publishing, p50 / p95 ms: 15 / 40" in text
     plots = tmp_path / "docs" / "benchmarks"
     for name in ("versus", "roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
@@ -311,8 +325,20 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
 def test_report_without_results_says_not_run_yet(tmp_path: Path) -> None:
     """Missing benches render as "not run yet" instead of failing."""
     text = render_report(tmp_path / "missing.jsonl", tmp_path / "benchmarks.md")
-    assert text.count("Not run yet") == 9
+    assert text.count("Not run yet") == 10
     assert ".png)" not in text
+
+
+def test_dashboard_smoke(tmp_path: Path) -> None:
+    """``dashboard.py --smoke`` times every page over HTTP (first fetch and repeats), all answering 200."""
+    result = run_bench(
+        "dashboard.py", "--smoke", "--tabs", "0", results=tmp_path / "results.jsonl", timeout=180
+    )
+    assert result["bench"] == "dashboard" and result["config"]["tasks"] == 200
+    for page in ("overview", "tasks", "tasks_filtered", "task", "workers", "schedules"):
+        assert 0 < result[f"{page}_p50_ms"] <= result[f"{page}_p95_ms"], page
+        assert result[f"{page}_first_ms"] > 0, page
+    assert result["worst_p95_ms"] == max(v for k, v in result.items() if k.endswith("_p95_ms"))
 
 
 def test_explain_without_a_real_mongodb_says_so(tmp_path: Path) -> None:
