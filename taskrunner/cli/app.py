@@ -29,7 +29,7 @@ class Command(TyperCommand):
 
 
 # --help lists commands by group in this order, each group's in the order its module defines them.
-GROUP_ORDER = ("admin", "tasks", "flow", "schedules", "worker", "dev")
+GROUP_ORDER = ("admin", "tasks", "flow", "schedules", "worker", "dashboard", "dev")
 
 
 def _group_rank(command: Any) -> int:
