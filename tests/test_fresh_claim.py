@@ -44,24 +44,33 @@ async def publish_pair(store: MongoStore, variant: dict[str, Any]) -> None:
         await store.collection.update_many({}, {"$set": raw})
 
 
-def comparable(doc: Doc | None) -> Any:
-    """The document without its identity (and its bucket, which follows from the key),
-    each time as its offset from the document's ``run_at`` in whole seconds (the two
-    writes are milliseconds apart)."""
+def comparable(doc: Doc | None) -> tuple[Any, list[float]]:
+    """The document without its identity (and its bucket, which follows from the key), its
+    times replaced by ``"<time>"``; and those times as offsets from its ``run_at`` (s)."""
     if doc is None:
-        return None
-    anchor = doc["run_at"]
+        return None, []
+    anchor, offsets = doc["run_at"], []
 
     def norm(value: Any) -> Any:
         if isinstance(value, datetime):
-            return round((value - anchor).total_seconds())
+            offsets.append((value - anchor).total_seconds())
+            return "<time>"
         if isinstance(value, dict):
             return {k: norm(v) for k, v in value.items() if k not in ("_id", "key", "bucket", "publish_id")}
         if isinstance(value, list):
             return [norm(v) for v in value]
         return value
 
-    return norm(doc)
+    return norm(doc), offsets
+
+
+def assert_same_writes(doc: Doc | None, other: Doc | None) -> None:
+    """The two documents hold the same fields and values, each time at the same offset from
+    its ``run_at`` give or take 10 s (two writes a busy machine may space far apart)."""
+    (shape, times), (other_shape, other_times) = comparable(doc), comparable(other)
+    assert shape == other_shape
+    assert len(times) == len(other_times)
+    assert all(abs(a - b) <= 10 for a, b in zip(times, other_times, strict=True)), (times, other_times)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
@@ -75,7 +84,7 @@ async def test_fresh_claim_agrees_with_the_general_claim(store: MongoStore, vari
     general = await store.collection.find_one_and_update(
         {**x.claim_filter("w1"), "key": "b"}, x.claim_update("w1", "r"), return_document=after
     )
-    assert comparable(fresh) == comparable(general)
+    assert_same_writes(fresh, general)
     if variant in ("plain", "two slots", "pinned to w1", "attempted before"):
         assert fresh is not None  # the cases the small claim is for
     else:
@@ -121,7 +130,7 @@ async def test_quick_success_agrees_with_the_pipeline(store: MongoStore, variant
     if variant in ("one slot", "retried before"):
         assert quick.modified_count == 1
         docs = [await store.collection.find_one({"key": k}) for k in ("a", "b")]
-        assert comparable(_same_run(docs[0], docs[1])) == comparable(docs[1])
+        assert_same_writes(_same_run(docs[0], docs[1]), docs[1])
     else:
         assert quick.matched_count == 0
 
