@@ -4,6 +4,8 @@ init's reactions, and what the embedded server and a real MongoDB answer."""
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -56,13 +58,24 @@ def on(collection: str) -> dict[str, str]:
     return {"db": DB, "collection": collection}
 
 
-WORKER_ROLE = (  # docs/security.md's taskrunnerWorker role
-    (on("tasks"), ["find", "update", "changeStream"]),
-    (on("tasks.workers"), ["find", "insert", "update", "remove"]),
-    (on("tasks.limits"), ["find", "insert", "update", "changeStream"]),
-    (on("tasks.gates"), ["find", "insert", "update"]),
-    (on("tasks.schedules"), ["find", "insert", "update"]),
-)
+ROLE = re.compile(r'role: "(\w+)".*?privileges: \[(.*?)\n  \]', re.DOTALL)
+PRIVILEGE = re.compile(r'\{resource: \{db: "(\w*)", collection: "([\w.]*)"\}, actions: \[([^\]]*)\]\}')
+
+
+def documented_roles() -> dict[str, tuple[tuple[dict[str, str], list[str]], ...]]:
+    """The privileges of each role docs/security.md creates, read from its mongosh block."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    return {
+        name: tuple(
+            ({"db": db, "collection": coll}, re.findall(r'"(\w+)"', actions))
+            for db, coll, actions in PRIVILEGE.findall(body)
+        )
+        for name, body in ROLE.findall(text)
+    }
+
+
+ROLES = documented_roles()
+WORKER_ROLE = ROLES["taskrunnerWorker"]
 READ_WRITE = (  # part of what the built-in readWrite role on the database shows
     (on(""), ["changeStream", "createIndex", "find", "insert", "listCollections", "remove", "update"]),
 )
@@ -142,14 +155,26 @@ def test_a_standalone_is_one_line_naming_the_polling_fallback() -> None:
     )
 
 
-def test_the_documented_roles_cover_what_a_worker_and_init_do() -> None:
-    """docs/security.md's worker role, and readWrite on the database, satisfy a worker with
-    schedules: no warning, streams followed."""
-    needs = worker_needs("tasks", task_stream=True, schedules=False)
-    assert judge(server(auth=status(*WORKER_ROLE)), DB, needs, polling=POLLING).warnings == ()
-    needs = worker_needs("tasks", task_stream=True, schedules=True)
-    checked = judge(server(auth=status(*READ_WRITE)), DB, needs, polling=POLLING)
-    assert checked.streams and checked.warnings == ()
+def test_the_roles_of_this_page_cover_what_they_are_for() -> None:
+    """docs/security.md's roles as written: the worker role satisfies a worker, with the
+    scheduler role one whose app declares schedules, the admin role init with validator
+    and retention; so does readWrite on the database for a worker."""
+    assert {"taskrunnerWorker", "taskrunnerScheduler", "taskrunnerAdmin"} <= set(ROLES)
+    worker, scheduler = ROLES["taskrunnerWorker"], ROLES["taskrunnerScheduler"]
+    cases = [
+        (worker, worker_needs("tasks", task_stream=True, schedules=False)),
+        (worker + scheduler, worker_needs("tasks", task_stream=True, schedules=True)),
+        (ROLES["taskrunnerAdmin"], init_needs("tasks", validator=True, retention=True)),
+        (READ_WRITE, worker_needs("tasks", task_stream=True, schedules=True)),
+    ]
+    for privileges, needs in cases:
+        checked = judge(server(auth=status(*privileges)), DB, needs, polling=POLLING)
+        assert checked.streams and checked.warnings == ()
+    without = judge(server(auth=status(*worker)), DB, cases[1][1], polling=POLLING)
+    assert without.warnings == (
+        "user worker@admin lacks insert on taskrunner.tasks; find, insert, update on "
+        "taskrunner.tasks.schedules: those operations will fail (docs/security.md lists the roles)",
+    )
 
 
 def test_missing_privileges_are_one_line_naming_actions_and_namespaces() -> None:
@@ -176,12 +201,7 @@ def test_init_needs_database_and_collection_actions() -> None:
     assert plain[""] == {"listCollections"} and plain["tasks"] == {"createCollection", "createIndex"}
     full = init_needs("tasks", validator=True, retention=True)
     assert full["tasks"] >= {"collMod", "listIndexes", "dropIndex"}
-    admin = status(
-        (on(""), ["listCollections", "createCollection"]),
-        (on("tasks"), ["createCollection", "createIndex", "dropIndex", "listIndexes", "collMod"]),
-        (on("tasks.workers"), ["createCollection", "createIndex", "listIndexes"]),
-    )  # docs/security.md's taskrunnerAdmin role
-    assert judge(server(auth=admin), DB, full, polling=POLLING).warnings == ()
+    assert judge(server(auth=status(*ROLES["taskrunnerAdmin"])), DB, full, polling=POLLING).warnings == ()
     no_db = status((on("tasks"), ["createCollection", "createIndex", "listCollections"]))
     [line] = judge(server(auth=no_db), DB, plain, polling=POLLING).warnings
     assert line.startswith("user worker@admin lacks listCollections on database taskrunner; ")
