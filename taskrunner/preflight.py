@@ -125,7 +125,8 @@ def read_server(
     """A ``ServerInfo`` from the replies of ``hello``, ``buildInfo`` and ``connectionStatus``
     (``showPrivileges: true``); change streams as the topology implies."""
     topology = _topology(hello)
-    auth = status.get(f.AUTH_INFO) or {}
+    auth = status.get(f.AUTH_INFO)
+    auth = auth if isinstance(auth, Mapping) else {}
     return ServerInfo(
         version=_version(build_info),
         topology=topology,
@@ -158,6 +159,8 @@ def _users(users: list[Any]) -> Iterator[str]:
 
 def _privileges(privileges: list[Any]) -> Iterator[Privilege]:
     for privilege in privileges:
+        if not isinstance(privilege, Mapping):
+            continue
         resource, actions = privilege.get(f.RESOURCE), privilege.get(f.ACTIONS)
         if isinstance(resource, Mapping) and isinstance(actions, list):
             yield Privilege(resource, frozenset(str(a) for a in actions))
