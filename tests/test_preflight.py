@@ -421,3 +421,23 @@ def test_cli_init_prints_each_warning_on_stderr(
     result = CliRunner().invoke(app, ["init"], env=env)
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.startswith("error: MongoDB 4.2.24 is older than 4.4.2, the oldest version")
+
+
+def test_cli_worker_refuses_a_server_too_old_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`taskrunner worker` on a server older than 4.4.2 exits 1 with one error line naming
+    both versions, before it claims anything (no server needed: the check's reply is faked)."""
+
+    async def old(self: MongoStore) -> ServerInfo:
+        return server("4.2.24")
+
+    monkeypatch.setattr(MongoStore, "server_info", old)
+    env = {"TASKRUNNER_MONGO_URI": "mongodb://127.0.0.1:1", "TASKRUNNER_TIMEOUT": "1"}
+    result = CliRunner().invoke(
+        app, ["worker", "--app", "examples.app:runner", "--log-format", "json"], env=env
+    )
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: MongoDB 4.2.24 is older than 4.4.2, the oldest version taskrunner runs on ($unionWith "
+        "and $isNumber need 4.4, the hello command 4.4.2); upgrade the server (docs/compatibility.md)"
+    ]
