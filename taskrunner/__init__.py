@@ -16,6 +16,7 @@ from taskrunner.errors import (
     RateLimited,
     Retry,
     ScheduleNotFound,
+    ServerTooOld,
     StoreError,
     StoreUnavailable,
     TaskNotFound,
@@ -37,6 +38,7 @@ from taskrunner.models import (
     WorkerEntry,
     WorkerInfo,
 )
+from taskrunner.preflight import ServerCheck, ServerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
 from taskrunner.store.memory import MemoryStore
@@ -69,6 +71,9 @@ __all__ = [
     "ScheduleNotFound",
     "ScheduleState",
     "ScheduleView",
+    "ServerCheck",
+    "ServerInfo",
+    "ServerTooOld",
     "StoreError",
     "StoreUnavailable",
     "SyncTaskRunner",

@@ -83,6 +83,11 @@ class Discovery:
         """Unreadable documents heard of on the stream, normalized before the next event."""
         self._listened = False
 
+    def poll_only(self) -> None:
+        """Find work by sweeps alone from the start (the start-up check found no change
+        streams), without trying the stream and warning again."""
+        self.polling = self.by_choice = True
+
     def listen(self, owned: Mapping[str, Sequence[int]] | None) -> None:
         """Hear the inserts of these buckets from now on: the stream reopens with them after
         its current wait, resuming where it was, so no event is lost in between (an insert

@@ -15,6 +15,7 @@
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
     ├── ConfigurationError              bad URI, settings or app reference
+    │   └── ServerTooOld                MongoDB older than taskrunner needs; names both versions
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
         ├── WriteRejected               refused, e.g. by a $jsonSchema validator
@@ -129,6 +130,19 @@ class ClaimLost(TaskRunnerError):
 
 class ConfigurationError(TaskRunnerError):
     """taskrunner was set up wrongly (URI, app reference, option)."""
+
+
+class ServerTooOld(ConfigurationError):
+    """The MongoDB server is older than the oldest version taskrunner runs on (the start-up
+    check of ``TaskRunner.init`` and of a worker); ``version`` is the server's, ``minimum``
+    the oldest supported (docs/compatibility.md)."""
+
+    def __init__(self, version: str, minimum: str, why: str) -> None:
+        self.version, self.minimum = version, minimum
+        super().__init__(
+            f"MongoDB {version} is older than {minimum}, the oldest version taskrunner runs on "
+            f"({why}); upgrade the server (docs/compatibility.md)"
+        )
 
 
 class StoreError(TaskRunnerError):

@@ -94,6 +94,26 @@ UPDATE_DESCRIPTION: Final = "updateDescription"
 UPDATED_FIELDS: Final = "updatedFields"
 
 
+# -- server replies the start-up check reads (hello, buildInfo, connectionStatus; preflight.py) --
+SET_NAME: Final = "setName"
+"""In ``hello``: the replica set's name (absent on a standalone and on mongos)."""
+HELLO_MSG: Final = "msg"
+"""In ``hello``: ``"isdbgrid"`` on a mongos (a sharded cluster's router)."""
+IS_DBGRID: Final = "isdbgrid"
+SERVER_VERSION: Final = "version"
+VERSION_ARRAY: Final = "versionArray"
+AUTH_INFO: Final = "authInfo"
+AUTHENTICATED_USERS: Final = "authenticatedUsers"
+AUTHENTICATED_PRIVILEGES: Final = "authenticatedUserPrivileges"
+USER: Final = "user"
+USER_DB: Final = "db"
+RESOURCE: Final = "resource"
+ACTIONS: Final = "actions"
+RESOURCE_DB: Final = "db"
+RESOURCE_COLLECTION: Final = "collection"
+ANY_RESOURCE: Final = "anyResource"
+
+
 # -- worker registry (collection "<tasks collection>.workers") --------------------------------
 REGISTRY_SUFFIX: Final = "workers"
 HOST: Final = "host"

@@ -169,6 +169,8 @@ class LimitWatch:
         self._throttle_ends: float | None = None
         self.gate_throttles: dict[str, float] = {}
         """Gates of ``limit_by`` values a handler's ``RateLimited`` holds back, until when."""
+        self.follow = True
+        """Whether to follow the change stream (False: the start-up check found none; poll)."""
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
@@ -199,7 +201,7 @@ class LimitWatch:
 
     async def run(self, stop: asyncio.Event, outage: Outage) -> None:
         stream: ChangeStream | None = None
-        follow = True  # False once the server says it has no change streams
+        follow = self.follow  # False once the server says it has no change streams
         while not stop.is_set():
             try:
                 if stream is None and follow:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import ValidationError
 
 from taskrunner import fields as f
+from taskrunner import preflight
 from taskrunner.errors import (
     InvalidSchedule,
     InvalidTask,
@@ -29,6 +30,7 @@ from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
+from taskrunner.preflight import ServerCheck
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 from taskrunner.worker_options import WorkerOptions
 
@@ -42,6 +44,7 @@ Duration = float | int | timedelta
 DEFAULT_URI = "mongodb://localhost:27017"
 OPTION_NAMES = frozenset(TaskOptions.model_fields)
 TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
+INIT_POLLING = "workers will poll for tasks instead (every --poll-interval, 5 s by default)"
 
 
 class TaskRunner:
@@ -417,14 +420,22 @@ class TaskRunner:
 
     async def init(
         self, *, validator: bool = False, retain_finished: float | timedelta | None = None
-    ) -> None:
+    ) -> ServerCheck:
         """Create the collection's indexes (idempotent), optionally the validator, and
         with ``retain_finished`` a TTL index so MongoDB deletes tasks that long after they
-        finish (0 removes it)."""
+        finish (0 removes it).
+
+        First it checks the server (docs/compatibility.md): one older than taskrunner
+        supports raises ``ServerTooOld``; a standalone without change streams or a user
+        missing a privilege ``init`` needs comes back as a line in the result's
+        ``warnings`` (``taskrunner init`` prints them)."""
         seconds = (
             retain_finished.total_seconds() if isinstance(retain_finished, timedelta) else retain_finished
         )
+        needs = preflight.init_needs(self.collection, validator=validator, retention=seconds is not None)
+        checked = await preflight.check(self.store, self.database, needs, polling=INIT_POLLING)
         await self.store.init(validator=validator, retain_finished=seconds)
+        return checked
 
     async def close(self) -> None:
         """Close the store's connection, if one was opened."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskrunner.errors import WaitTimeout
 from taskrunner.models import Task
+from taskrunner.preflight import ServerCheck
 from taskrunner.store.memory import MemoryStore
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ class SyncTaskRunner:
         """``TaskRunner.get``, blocking."""
         return self._task(self._runner.get(key))
 
-    def init(self, *, validator: bool = False) -> None:
+    def init(self, *, validator: bool = False) -> ServerCheck:
         """``TaskRunner.init``, blocking."""
-        self._call(self._runner.init(validator=validator))
+        return self._call(self._runner.init(validator=validator))
 
     def wait(self, key: str, timeout: float | None = None, *, poll_interval: float = 1.0) -> Task:
         """``TaskRunner.wait``, blocking: the finished task, or ``WaitTimeout``."""

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from taskrunner import __version__, rules
+from taskrunner import __version__, preflight, rules
 from taskrunner.claimqueue import ClaimQueue, Due
 from taskrunner.discovery import Discovery
-from taskrunner.errors import ConfigurationError, MalformedTask, StoreError
+from taskrunner.errors import ConfigurationError, MalformedTask, ServerTooOld, StoreError, TaskRunnerError
 from taskrunner.execution import Execution
 from taskrunner.fields import BUCKETS
 from taskrunner.gatekeeper import GateKeeper
@@ -47,6 +47,7 @@ from taskrunner.limits import LimitWatch
 from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
+from taskrunner.redact import redact
 from taskrunner.schedules import Scheduler
 from taskrunner.store.base import Claim, Claimed, Store, Window
 from taskrunner.worker_options import WorkerOptions
@@ -298,6 +299,7 @@ class Worker:
         if not self.names:
             raise ConfigurationError("the app registers no handlers: nothing to run")
         self.log.info("worker started", concurrency=self.concurrency, tasks=sorted(self.names))
+        await self._check_server()
         side: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {
             "discovery": lambda: self.discovery.run(self._stop),
             "claimer": self._claim_loop,
@@ -322,6 +324,32 @@ class Worker:
                 await self.store.unregister(self.worker_id)
             self._executor.shutdown(wait=False, cancel_futures=True)
             self.log.info("worker stopped")
+
+    async def _check_server(self) -> None:
+        """The start-up check (taskrunner.preflight): a server too old raises ``ServerTooOld``;
+        each problem is one warning; without change streams the worker polls from the start.
+        A server away or refusing the check's commands leaves the worker as it was."""
+        needs = preflight.worker_needs(
+            self.runner.collection,
+            task_stream=not self.discovery.by_choice,
+            schedules=bool(self.runner.schedules),
+        )
+        polling = f"polling for tasks every {self.poll_interval:g} s instead"
+        try:
+            checked = await preflight.check(self.store, self.runner.database, needs, polling=polling)
+        except ServerTooOld:
+            raise
+        except TaskRunnerError as exc:
+            self.log.warning("start-up check skipped", error=redact(str(exc)))
+            return
+        for line in checked.warnings:
+            self.log.warning(line)
+        if checked.server is not None:
+            server = checked.server
+            self.log.info("server checked", version=server.version_text, topology=server.topology.value)
+        if not checked.streams:
+            self.discovery.poll_only()
+            self.limits.follow = False
 
     async def _supervise(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """The monitor: a side task that dies is logged and restarted after a pause."""

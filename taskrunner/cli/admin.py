@@ -11,6 +11,7 @@ from taskrunner import fields as f
 from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail, seconds
+from taskrunner.preflight import ServerCheck
 from taskrunner.runner import TaskRunner
 
 
@@ -40,7 +41,9 @@ def init(
     connection: Connection,
 ) -> None:
     """Create the task collection's indexes (idempotent); optionally the validator and retention."""
-    runner = call(connection, lambda runner: _init(runner, validator, retain_finished))
+    runner, checked = call(connection, lambda runner: _init(runner, validator, retain_finished))
+    for line in checked.warnings:  # the start-up check's findings (docs/compatibility.md)
+        render.stderr().print(f"warning: {line}", markup=False)
     what = f"indexes {', '.join(f.INDEXES)}" + (" and validator" if validator else "")
     print(f"initialised {runner.database}.{runner.collection}: {what}")
     if retain_finished == 0:
@@ -51,9 +54,10 @@ def init(
         )
 
 
-async def _init(runner: TaskRunner, validator: bool, retain_finished: float | None) -> TaskRunner:
-    await runner.init(validator=validator, retain_finished=retain_finished)
-    return runner
+async def _init(
+    runner: TaskRunner, validator: bool, retain_finished: float | None
+) -> tuple[TaskRunner, ServerCheck]:
+    return runner, await runner.init(validator=validator, retain_finished=retain_finished)
 
 
 @command(app, "stats")

@@ -19,6 +19,7 @@ from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.limits import LimitState
 from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
+from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
 
 Window = tuple[datetime, datetime]
@@ -299,6 +300,10 @@ class Store(Protocol):
     async def stats(self) -> TaskStats: ...
 
     async def server_time(self) -> datetime: ...
+
+    async def server_info(self) -> ServerInfo | None:
+        """The server's version, topology and this connection's privileges (the start-up
+        check, ``taskrunner.preflight``); None when no server is behind the store."""
 
     async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
         """Register or refresh a worker, live for ``ttl`` seconds (server time).

@@ -31,6 +31,7 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
+from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store.base import (
     ChangeEvent,
@@ -391,6 +392,9 @@ class MemoryStore:
 
     async def server_time(self) -> datetime:
         return self._clock()
+
+    async def server_info(self) -> ServerInfo | None:
+        return None  # in-process: no server to check
 
     async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
         now, old = self._clock(), self._registry.get(worker.worker_id)

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,6 +42,7 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
+from taskrunner.preflight import ServerInfo, read_server
 from taskrunner.redact import redact
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store import expressions as x
@@ -562,6 +564,28 @@ class MongoStore:
         now = hello["localTime"]
         assert isinstance(now, datetime)
         return now if now.tzinfo else now.replace(tzinfo=UTC)
+
+    async def server_info(self) -> ServerInfo:
+        with mapped_errors():
+            hello = await self.client.admin.command("hello")
+            build_info = await self.client.admin.command("buildInfo")
+            status = await self.client.admin.command("connectionStatus", showPrivileges=True)
+        info = read_server(hello, build_info, status)
+        if info.change_streams:
+            return info
+        # hello says standalone; a look-alike server may still serve change streams: ask one.
+        return replace(info, change_streams=await self._streams_open())
+
+    async def _streams_open(self) -> bool:
+        try:
+            with mapped_errors():
+                stream = await self.collection.watch([], max_await_time_ms=1)
+                await stream.close()
+        except StoreUnavailable:
+            raise
+        except StoreError:  # ChangeStreamsUnsupported, or not allowed: either way no stream
+            return False
+        return True
 
     async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
         info = worker.model_dump(by_alias=True, exclude={f.BEAT_AT, f.EXPIRES_AT, f.STOP_REQUESTED})
