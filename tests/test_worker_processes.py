@@ -27,6 +27,7 @@ pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]
 
 
+@pytest.mark.timeout(300)  # its waits add up to 150 s, which a busy host may need
 async def test_many_tasks_each_run_exactly_once_spread_over_workers(
     runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
 ) -> None:
