@@ -65,11 +65,15 @@ def test_whole_suite_runs_on_each_mongodb_replica_set(jobs: dict[str, Any]) -> N
     assert job["strategy"]["matrix"]["mongo"] == MONGOS
     service = job["services"]["mongo"]
     assert service["image"] == "mongo:${{ matrix.mongo }}"
-    replica_set = re.fullmatch(r"--replSet (\w+) --bind_ip_all", service["command"])
-    assert replica_set is not None
-    uri = job["env"]["TASKRUNNER_TEST_MONGO_URI"]
-    assert f"replicaSet={replica_set[1]}" in uri
-    assert f'_id: "{replica_set[1]}"' in step_running(job, "rs.initiate")["run"]
+    started = re.fullmatch(r"--replSet (\w+) --bind_ip_all --port (\d+)", service["command"])
+    assert started is not None
+    replica_set, port = started[1], started[2]
+    assert service["ports"] == [f"{port}:{port}"]
+    assert port != "27017", "the README's dev-server block takes 27017 on the runner"
+    assert job["env"]["TASKRUNNER_TEST_MONGO_URI"] == f"mongodb://localhost:{port}/?replicaSet={replica_set}"
+    initiate = step_running(job, "rs.initiate")["run"]
+    assert f'_id: "{replica_set}", members: [{{_id: 0, host: "localhost:{port}"}}]' in initiate
+    assert f"--port {port}" in initiate and f"--port {port}" in service["options"]
     order = runs(job)
     assert order.index(readme_test_command()) > order.index(step_running(job, "rs.initiate")["run"].strip())
 
