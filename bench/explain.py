@@ -12,6 +12,9 @@ Prints one JSON line and appends it to bench/results.jsonl. Without the variable
 it says so and exits 0.
 
     TASKRUNNER_BENCH_MONGO_URI=mongodb://localhost:27017 uv run python bench/explain.py [--finished 100000]
+
+``--require-ixscan`` (CI and ``docker compose run --rm check``) turns a plan without an
+index scan, or a missing server, into a failure.
 """
 
 from __future__ import annotations
@@ -237,15 +240,24 @@ def main() -> None:
     parser.add_argument("--finished", type=int, default=100_000)
     parser.add_argument("--pending", type=int, default=20)
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON lines file to append to")
+    parser.add_argument(
+        "--require-ixscan",
+        action="store_true",
+        help="exit 1 unless every query uses an index, 2 without a server (the CI and compose checks)",
+    )
     args = parser.parse_args()
     uri = os.environ.get(ENV)
     if not uri:
         print(f"bench/explain.py needs a real MongoDB: set {ENV} (the embedded server cannot show plans)")
-        sys.exit(0)
-    line = json.dumps(run(uri, args.finished, args.pending))
+        sys.exit(2 if args.require_ixscan else 0)
+    report = run(uri, args.finished, args.pending)
+    line = json.dumps(report)
     print(line)
     with args.results.open("a") as out:
         out.write(line + "\n")
+    if args.require_ixscan and not report["all_ixscan"]:
+        missing = sorted(label for label, plan in report["plans"].items() if not plan["ixscan"])
+        sys.exit(f"bench/explain.py: no index scan for {', '.join(missing)}")
 
 
 if __name__ == "__main__":

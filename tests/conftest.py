@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from scratch import STORE_DATABASE, TEST_MONGO_URI, drop_collection, new_collection
 
 from taskrunner import TaskRunner
 from taskrunner.store.base import Store
@@ -18,13 +20,23 @@ from taskrunner.store.mongo import MongoStore
 if TYPE_CHECKING:
     from taskrunner.testing import ManualClock
 
-# Imported by pytest itself (not above), so that pytest can rewrite its asserts.
-pytest_plugins = ["taskrunner.testing"]
-TEST_MONGO_URI = "TASKRUNNER_TEST_MONGO_URI"
+# Imported by pytest itself (not above), so that pytest can rewrite its asserts; skiplist ends
+# every run with the skipped tests, each with its reason.
+pytest_plugins = ["taskrunner.testing", "skiplist"]
+EMBEDDED_ONLY = (
+    "embedded server only (it starts or tests the embedded server itself): needs Python >= 3.13"
+    " and mongoeco, pip install 'taskrunner[embedded]'"
+)
 
 STORES = ["memory", "embedded", "real"]
 """The ``store`` fixture's variants; a module narrows them with
 ``pytest.mark.parametrize("store", [...], indirect=True)``."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``embedded`` skip, saying why, where mongoeco is not installed (Python < 3.13)."""
+    if item.get_closest_marker("embedded") and importlib.util.find_spec("mongoeco") is None:
+        pytest.skip(EMBEDDED_ONLY)
 
 
 @pytest.fixture
@@ -33,6 +45,14 @@ def clock() -> ManualClock:
     from taskrunner.testing import ManualClock
 
     return ManualClock()
+
+
+@pytest.fixture
+def collection_name() -> Iterator[str]:
+    """A fresh collection per test (overrides the plugin's), dropped afterwards from a real server."""
+    name = new_collection()
+    yield name
+    drop_collection(name)
 
 
 @pytest.fixture(params=STORES)
@@ -50,7 +70,7 @@ async def store(
             pytest.skip(f"real MongoDB: set {TEST_MONGO_URI} to run this on it")
     else:
         uri = request.getfixturevalue("embedded_uri")
-    mongo = MongoStore.connect(uri, database="taskrunner_test", collection=collection_name)
+    mongo = MongoStore.connect(uri, database=STORE_DATABASE, collection=collection_name)
     await mongo.init()
     yield mongo
     await mongo.close()

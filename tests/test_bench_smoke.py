@@ -1,4 +1,8 @@
-"""The benchmark scripts still run: tiny smoke runs as subprocesses (benchmarks are not tests)."""
+"""The benchmark scripts still run: tiny smoke runs as subprocesses (benchmarks are not tests).
+
+Embedded only: each script starts its own embedded server; these runs check the scripts, not
+the server (bench/explain.py, the one that needs a real MongoDB, runs in CI on MongoDB 8.0).
+"""
 
 from __future__ import annotations
 

@@ -360,7 +360,12 @@ def test_every_block_runs_or_says_why_not() -> None:
     "page", [name for name, (blocks, _) in PARSED.items() if any(b.runs for b in blocks)]
 )
 def test_page_blocks_run(page: str, tmp_path: Path) -> None:
-    """Every runnable block of the page exits 0, in order, against the page's own fresh server."""
+    """Every runnable block of the page exits 0, in order, against the page's own fresh server.
+
+    Embedded only, also with TASKRUNNER_TEST_MONGO_URI: the pages start `taskrunner dev-server`
+    themselves and write to the default database and collection, as a reader would, which on a
+    shared real server would be neither fresh nor ours to write to.
+    """
     blocks = PARSED[page][0]
     with dev_server() as (_, uri):
         failure = run_page(blocks, tmp_path, uri)

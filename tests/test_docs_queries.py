@@ -266,7 +266,7 @@ class Target:
     database: str
 
 
-@pytest.fixture(scope="module", params=["embedded", "external"])
+@pytest.fixture(scope="module", params=[pytest.param("embedded", marks=pytest.mark.embedded), "external"])
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """The dev server (always) and TASKRUNNER_TEST_MONGO_URI (when set, in a scratch database)."""
     if request.param == "embedded":
@@ -276,7 +276,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
         return
     external = os.environ.get("TASKRUNNER_TEST_MONGO_URI")
     if not external:
-        pytest.skip("TASKRUNNER_TEST_MONGO_URI not set")
+        pytest.skip("real MongoDB: set TASKRUNNER_TEST_MONGO_URI to run the docs' queries on it")
     database = f"taskrunner_docs_{uuid4().hex[:8]}"
     asyncio.run(_load_sample(external, database))
     try:
@@ -333,7 +333,6 @@ def results(target: Target, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         return dict(zip([q.id for q in QUERIES], pool.map(run, QUERIES), strict=True))
 
 
-@pytest.mark.embedded
 @pytest.mark.timeout(600)  # the first run installs mongosh with npm
 @pytest.mark.parametrize("query", QUERIES, ids=[q.id for q in QUERIES])
 def test_doc_query_returns_what_the_doc_says(query: Query, results: dict[str, Any]) -> None:

@@ -12,11 +12,11 @@ from taskrunner.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
 
 
-@pytest.mark.embedded
-async def test_counter_counts_commands_by_name(embedded_uri: str, collection_name: str) -> None:
+@pytest.mark.mongo
+async def test_counter_counts_commands_by_name(mongo_uri: str, collection_name: str) -> None:
     """A store connected with the counter counts each command it sends, by name and collection."""
     counter = RoundTripCounter()
-    store = MongoStore.connect(embedded_uri, collection=collection_name, event_listeners=[counter])
+    store = MongoStore.connect(mongo_uri, collection=collection_name, event_listeners=[counter])
     try:
         await store.count()
         await store.find()

@@ -3,6 +3,8 @@
 Each ```python block whose first line names a file (``# conftest.py``, ``# test_x.py``) is
 written to a fresh directory with the pytest settings the page shows, and pytest runs them in
 a subprocess: the ``taskrunner.testing`` plugin, its fixtures and helpers as users get them.
+The subprocess inherits ``TASKRUNNER_TEST_MONGO_URI``, so the examples' ``mongo_uri`` is the
+real MongoDB when it is set, as it would be in the user's project.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import pytest
 
 from taskrunner import TaskRunner
 
-pytestmark = pytest.mark.embedded
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 BLOCK = re.compile(r"^```python\n# (\w+\.py)\n(.*?)^```", re.S | re.M)
 INI = "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
@@ -42,6 +43,7 @@ def test_the_page_names_a_conftest_and_its_test_modules() -> None:
     assert all(name == "conftest.py" or name.startswith("test_") for name in files)
 
 
+@pytest.mark.embedded  # the examples also use embedded_uri, and must pass without skipping
 def test_every_example_on_the_testing_page_passes(tmp_path: Path) -> None:
     """pytest runs the page's test modules with the plugin enabled, and every test passes."""
     files = runnable(examples())

@@ -20,6 +20,7 @@ import pytest
 import runs
 from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
+from scratch import drop_collection, new_collection
 from workers import WorkerPool, WorkerProcess, finished
 
 from taskrunner import NewTask, TaskRunner, TaskState, rules
@@ -36,8 +37,11 @@ CRASH_EVENTS = ("side task crashed; restarting", "run crashed")
 
 # -- fixtures: one worker process for the module ----------------------------------------------
 @pytest.fixture(scope="module")
-def collection() -> str:
-    return f"t_bad_{uuid4().hex[:10]}"
+def collection() -> Iterator[str]:
+    """The module's collection, shared by its worker process; dropped afterwards from a real server."""
+    name = new_collection("t_bad")
+    yield name
+    drop_collection(name)
 
 
 @pytest.fixture(scope="module")

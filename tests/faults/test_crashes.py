@@ -47,7 +47,12 @@ SLACK = 20.0
 
 @pytest.fixture
 async def own_server(embedded_uri: str) -> AsyncIterator[EmbeddedServer]:
-    """A private embedded server (on this test's loop) whose change streams a test may break."""
+    """A private embedded server (on this test's loop) whose change streams a test may break.
+
+    Its tests stay on the embedded server with TASKRUNNER_TEST_MONGO_URI too: they reach into the
+    server to kill the worker's change-stream cursor, or keep only 20 events of change history,
+    which a real MongoDB does not let a client do.
+    """
     async with EmbeddedServer(history_size=20) as server:
         yield server
 

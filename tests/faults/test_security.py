@@ -294,17 +294,22 @@ def dev_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, str]]]:
             proc.wait(10)
 
 
+@pytest.mark.embedded
 def test_dev_server_binds_loopback_by_default(dev_server: Callable[..., tuple[str, str]]) -> None:
+    """The dev server listens on loopback only unless told otherwise, and then says nothing."""
     uri, stderr = dev_server()
     assert uri.startswith("mongodb://127.0.0.1:"), uri
     assert "WARNING" not in stderr
 
 
+@pytest.mark.embedded
 def test_dev_server_warns_loudly_when_exposed(dev_server: Callable[..., tuple[str, str]]) -> None:
     """--host 0.0.0.0 works but prints a warning that the server has no authentication."""
     _, stderr = dev_server("--host", "0.0.0.0")
     assert "WARNING" in stderr and "WITHOUT authentication" in stderr and "'0.0.0.0'" in stderr, stderr
 
 
+@pytest.mark.embedded
 def test_test_server_binds_loopback(embedded_uri: str) -> None:
+    """The test suite's embedded server listens on loopback only."""
     assert embedded_uri.startswith("mongodb://127.0.0.1:"), embedded_uri
