@@ -683,13 +683,14 @@ def dashboard(r: Report) -> None:
     )
     if r.not_run("dashboard"):
         return
-    for g in r.groups("dashboard", key=lambda g: numeric(g.get("tasks"))):
+    for g in r.groups("dashboard", key=lambda g: (numeric(g.get("tasks")), bool(g.get("hog")))):
         rows = [
             [page, *(fmt(g.median(f"{page}_{kind}_ms"), 0) for kind in ("first", "p50", "p95"))]
             for page in DASHBOARD_PAGES
             if g.median(f"{page}_p50_ms") is not None
         ]
-        r.add("", f"{fmt(g.get('tasks'), 0)} tasks, n = {g.n}:", "")
+        hog = ", both cores kept busy by a CPU hog" if g.get("hog") else ""
+        r.add("", f"{fmt(g.get('tasks'), 0)} tasks{hog}, n = {g.n}:", "")
         r.add(*table(["page", "first ms", "p50 ms", "p95 ms"], rows))
         live = [
             ("renders while publishing, p50 / p95 ms", "live_render_p50_ms", "live_render_p95_ms"),

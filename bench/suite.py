@@ -49,7 +49,7 @@ BENCHES: dict[str, tuple[str, list[list[str]]]] = {
         ],
     ),
     "idle": ("idle.py", [["--workers", "4"]]),
-    "dashboard": ("dashboard.py", [["--tasks", "10000"]]),
+    "dashboard": ("dashboard.py", [["--tasks", "10000"], ["--tasks", "10000", "--hog"]]),
 }
 SMOKE_ARGS = {"pickup": [["--mode", "stream"]]}  # one smoke invocation is enough elsewhere
 
