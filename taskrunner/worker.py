@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -68,6 +68,7 @@ FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together
 SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
 BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
 DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
+DRAIN_SLACK = 1.0  # draining, tasks due within this many seconds count as claimable now
 
 
 def _hash(token: str, worker_id: str) -> bytes:
@@ -445,7 +446,9 @@ class Worker:
         names = self.active_names()
         if not names:
             return True
-        horizon = self._server_now()
+        # A task published a moment ago (a handler's follow-up) has claimable_at = the server's
+        # time then, which this worker's estimate of the server clock may not have reached yet.
+        horizon = self._server_now() + timedelta(seconds=DRAIN_SLACK)
         try:
             page = await self.store.due(self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT)
         except StoreError as exc:

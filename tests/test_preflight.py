@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import structlog
 from pymongo import errors as pe
 from structlog.testing import capture_logs
 from typer.testing import CliRunner
@@ -423,6 +425,16 @@ def test_cli_init_prints_each_warning_on_stderr(
     assert result.stderr.startswith("error: MongoDB 4.2.24 is older than 4.4.2, the oldest version")
 
 
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """The `worker` command configures structlog to write to CliRunner's stderr, which
+    closes with the invocation: put the configuration back so later tests can log."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("logging_restored")
 def test_cli_worker_refuses_a_server_too_old_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """`taskrunner worker` on a server older than 4.4.2 exits 1 with one error line naming
     both versions, before it claims anything (no server needed: the check's reply is faked)."""
