@@ -1,7 +1,11 @@
 """Locate or install a pinned ``mongosh`` so tests can drive the server with the Node driver.
 
-The first call runs ``npm install`` into ``<repo>/.cache/mongosh`` (gitignored,
-about a minute); later calls reuse it.  Tests skip only when npm itself is
+The first call runs ``npm ci`` into ``<repo>/.cache/mongosh`` (gitignored, about a
+minute) from the committed ``tests/mongosh_lock/package.json`` and ``package-lock.json``,
+so every machine installs the same tree; later calls reuse it.  The lock exists because a
+plain ``npm install mongosh@2.5.8`` resolves its dependencies' ranges afresh, and the
+registry once offered a ``@babel/*`` release whose own dependency was not there yet (the
+package.json pins ``@babel/*`` through ``overrides``).  Tests skip only when npm itself is
 missing: a failed installation is a failure, not a reason to skip.
 """
 
@@ -15,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-MONGOSH_VERSION = "2.5.8"
+_LOCK = Path(__file__).resolve().parent / "mongosh_lock"
+MONGOSH_VERSION: str = json.loads((_LOCK / "package.json").read_text())["dependencies"]["mongosh"]
 _PREFIX = Path(__file__).resolve().parent.parent / ".cache" / "mongosh"
 _BINARY = _PREFIX / "node_modules" / ".bin" / "mongosh"
 _PACKAGE_JSON = _PREFIX / "node_modules" / "mongosh" / "package.json"
@@ -31,9 +36,10 @@ def _installed_version() -> str | None:
 
 
 def _install(npm: str) -> None:
-    command = [npm, "install", "--prefix", str(_PREFIX), "--no-audit", "--no-fund"]
+    for name in ("package.json", "package-lock.json"):
+        shutil.copyfile(_LOCK / name, _PREFIX / name)
     result = subprocess.run(
-        [*command, f"mongosh@{MONGOSH_VERSION}"],
+        [npm, "ci", "--prefix", str(_PREFIX), "--no-audit", "--no-fund"],
         capture_output=True,
         text=True,
         timeout=INSTALL_TIMEOUT_S,
