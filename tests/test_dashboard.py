@@ -19,7 +19,7 @@ from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
 from taskrunner.dashboard.snapshots import Snapshots
 from taskrunner.errors import StoreError
-from taskrunner.models import TaskState, WorkerInfo
+from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Listing, Store
 from taskrunner.store.memory import MemoryStore
@@ -380,7 +380,8 @@ class Counted:
         return {"n": self.calls}
 
 
-def data(snapshot: dict[str, Any]) -> dict[str, Any]:
+def data(snapshot: dict[str, Any] | None) -> dict[str, Any]:
+    assert snapshot is not None, "no snapshot"
     return {k: v for k, v in snapshot.items() if k not in ("as_of", "refreshing")}
 
 
@@ -402,7 +403,7 @@ async def test_after_a_change_the_old_snapshot_renders_and_a_fresh_one_is_announ
     assert await fresh.get() == "overview"  # the first read announces itself too
     changes[0] += 1
     stale = await snapshots.get("overview", read)
-    assert data(stale) == {"n": 1} and stale["refreshing"] is True
+    assert data(stale) == {"n": 1} and stale is not None and stale["refreshing"] is True
     assert await asyncio.wait_for(fresh.get(), 10) == "overview"
     assert data(await snapshots.get("overview", read)) == {"n": 2} and read.calls == 2
 
@@ -420,6 +421,50 @@ async def test_re_reads_are_spaced_by_fresh_for() -> None:
     await asyncio.wait_for(fresh.get(), 10)
     assert read.calls == 2
     assert asyncio.get_running_loop().time() - started >= 0.4  # waited out the first read's gap
+
+
+async def test_a_slow_first_read_renders_as_being_read_and_is_announced() -> None:
+    """A page whose first read outlasts ``within`` comes back as None at once (the page says
+    it is being read); the read goes on, is announced fresh, and then serves the page."""
+    fresh, release = asyncio.Queue[str](), asyncio.Event()
+
+    async def slow() -> dict[str, Any]:
+        await release.wait()
+        return {"n": 1}
+
+    snapshots = Snapshots(lambda: 0, fresh.put_nowait)
+    assert await snapshots.get("tasks?state=FAIL", slow, within=0.05) is None
+    release.set()
+    assert await asyncio.wait_for(fresh.get(), 10) == "tasks?state=FAIL"
+    assert data(await snapshots.get("tasks?state=FAIL", slow, within=0.05)) == {"n": 1}
+
+
+async def test_a_page_being_read_renders_a_placeholder_the_script_fills_in() -> None:
+    """Over HTTP, a list whose read takes longer than the render budget answers 200 at once
+    with a ``data-pending`` placeholder for its page; once read, the same URL shows the tasks."""
+    store = MemoryStore()
+    runner = TaskRunner(store=store)
+    await runner.publish("ok", {}, key="slow-1", allow_unknown=True)
+    release = asyncio.Event()
+    browse = store.browse
+
+    async def slow_browse(listing: Listing) -> list[Task]:
+        await release.wait()
+        return await browse(listing)
+
+    store.browse = slow_browse  # type: ignore[method-assign]
+    async with client(runner) as http:
+        first = await http.get("/tasks?name=ok")
+        assert first.status_code == 200 and "data-pending" in first.text
+        assert 'data-page="tasks?name=ok' in first.text and "slow-1" not in first.text
+        release.set()
+        page = await wait_for(lambda: _filled(http, "/tasks?name=ok"), 10, "the list to be read")
+    assert "slow-1" in page
+
+
+async def _filled(http: httpx.AsyncClient, path: str) -> str | None:
+    text = (await http.get(path)).text
+    return None if "data-pending" in text else text
 
 
 async def test_forget_makes_the_next_request_read_first() -> None:

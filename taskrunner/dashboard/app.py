@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode
@@ -21,7 +22,7 @@ from taskrunner.dashboard import pages
 from taskrunner.dashboard.actions import ACTIONS
 from taskrunner.dashboard.hub import Hub, fresh_message
 from taskrunner.dashboard.security import csrf_token, log_in, may_act, new_token, remember_csrf, same
-from taskrunner.dashboard.snapshots import Snapshots
+from taskrunner.dashboard.snapshots import Read, Snapshots
 from taskrunner.errors import TaskNotFound, TaskRunnerError
 from taskrunner.models import TaskState
 from taskrunner.redact import redact
@@ -29,6 +30,7 @@ from taskrunner.runner import TaskRunner
 
 HERE = Path(__file__).parent
 KEEPALIVE_SECONDS = 15.0
+RENDER_WAIT = 0.2  # a page's first read: wait this long, then render it as being read
 
 
 def environment() -> Environment:
@@ -74,14 +76,13 @@ class Dashboard:
         return response
 
     async def overview(self, request: Request) -> Response:
-        data = await self.snapshots.get("overview", lambda: pages.overview(self.runner))
-        return self.render(request, "overview.html", page="overview", **data)
+        read = partial(pages.overview, self.runner)
+        return await self._snapshot(request, "overview.html", "overview", "Overview", read)
 
     async def tasks(self, request: Request) -> Response:
         chosen = pages.TaskFilter.parse(dict(request.query_params))
-        page = chosen.page()
-        data = await self.snapshots.get(page, lambda: pages.task_list(self.runner, chosen))
-        return self.render(request, "tasks.html", page=page, **data)
+        read = partial(pages.task_list, self.runner, chosen)
+        return await self._snapshot(request, "tasks.html", chosen.page(), "Tasks", read)
 
     async def task(self, request: Request) -> Response:
         task = await self.runner.get(request.path_params["key"])
@@ -92,8 +93,16 @@ class Dashboard:
         return self.render(request, "workers.html", workers=await self.runner.workers())
 
     async def schedules(self, request: Request) -> Response:
-        data = await self.snapshots.get("schedules", lambda: pages.schedules(self.runner))
-        return self.render(request, "schedules.html", page="schedules", **data)
+        read = partial(pages.schedules, self.runner)
+        return await self._snapshot(request, "schedules.html", "schedules", "Schedules and limits", read)
+
+    async def _snapshot(self, request: Request, template: str, page: str, title: str, read: Read) -> Response:
+        """``template`` over the page's snapshot; a page whose first read takes longer than
+        ``RENDER_WAIT`` renders as being read and fills in when the read lands."""
+        data = await self.snapshots.get(page, read, within=RENDER_WAIT)
+        if data is None:
+            return self.render(request, "reading.html", page=page, title=title)
+        return self.render(request, template, page=page, **data)
 
     async def login(self, request: Request) -> Response:
         if not self.allow_actions or not same(request.query_params.get("token"), self.token):

@@ -3,7 +3,9 @@
 A page's counts are a scan of the task collection: milliseconds on MongoDB with a few
 thousand tasks, seconds on the embedded server with ten thousand. So a request renders
 the page's latest *snapshot* at once and never waits on such a read, except when there
-is none yet (first visit, after an action, or older than ``STALE_LIMIT``). When the task
+is none yet (first visit, after an action, or older than ``STALE_LIMIT``), and then only
+for ``within`` seconds: past that the page renders as "being read" and fills in when the
+read lands. When the task
 collection changed since a snapshot was read, the request also starts one re-read in the
 background, at most one per page at a time and spaced by the longer of ``fresh_for`` and
 the last read's duration, so open tabs cost the server at most one read per second per
@@ -64,11 +66,16 @@ class Snapshots:
         self.recent: OrderedDict[str, Snapshot] = OrderedDict()
         self.reading: dict[str, asyncio.Task[Snapshot]] = {}
 
-    async def get(self, page: str, read: Read) -> dict[str, Any]:
-        """The page's data with ``as_of`` (when it was read) and ``refreshing``."""
+    async def get(self, page: str, read: Read, *, within: float | None = None) -> dict[str, Any] | None:
+        """The page's data with ``as_of`` (when it was read) and ``refreshing``; or None when
+        it must be read first and that takes longer than ``within`` seconds (the read goes
+        on, and ``on_fresh`` follows)."""
         snapshot = self.recent.get(page)
         if snapshot is None or time.monotonic() - snapshot.started >= STALE_LIMIT:
-            snapshot = await asyncio.shield(self._start(page, read, 0.0))
+            try:
+                snapshot = await asyncio.wait_for(asyncio.shield(self._start(page, read, 0.0)), within)
+            except TimeoutError:
+                return None
         elif self._stale(snapshot):
             self._refresh(page, read, snapshot)
         self.recent.move_to_end(page)

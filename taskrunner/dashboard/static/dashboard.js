@@ -27,6 +27,13 @@
     } catch (e) {
       // the next change or poll tries again
     }
+    waitIfPending();
+  }
+
+  // A page still being read (data-pending) is fetched again every second until it fills in,
+  // in case its "fresh" event came before this tab's event stream opened.
+  function waitIfPending() {
+    if (main.querySelector("[data-pending]")) schedule();
   }
 
   function schedule() {
@@ -42,6 +49,7 @@
   }
 
   if (!main || !mode) return;
+  waitIfPending();
   if (mode === "poll") {
     setInterval(schedule, 2000);  // the worker registry has no change stream: poll it gently
   }
