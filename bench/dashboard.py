@@ -31,6 +31,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections import Counter
 from contextlib import nullcontext
 from datetime import timedelta
@@ -218,9 +219,10 @@ async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromi
 
 async def publish_stream(uri: str, rate: float, seconds: float) -> None:
     """``noop`` tasks (the worker processes run them) at ``rate`` a second for ``seconds``."""
+    run = uuid.uuid4().hex[:6]  # new keys each run, on a server given with --uri too
     async with TaskRunner(uri, collection=COLLECTION, timeout=120) as runner:
         for i in range(int(rate * seconds)):
-            await runner.publish("noop", {"n": i}, key=f"live{i:05}", allow_unknown=True)
+            await runner.publish("noop", {"n": i}, key=f"live-{run}-{i:05}", allow_unknown=True)
             await asyncio.sleep(1 / rate)
 
 
