@@ -11,7 +11,8 @@ Live load: ``--tabs`` headless chromium tabs of each page type (overview, task l
 page) stay open while a publisher writes ``--rate`` no-op tasks per second for ``--seconds``
 and the workers run them; ``live_render_*`` are the overview's and task list's response
 times meanwhile, ``live_commands_per_s`` what the dashboard sent the server, and
-``change_streams_opened`` the change streams it opened in all (the issue's budget: one
+``change_streams_opened`` the change streams it opened in all; ``*_pending`` count the
+responses that were the "being read" placeholder instead of the page's figures (the issue's budget: one
 change stream and one query per second per open page type). The live part is skipped
 (figures null) without chromium. ``--hog`` keeps both cores busy with two spinning processes
 while timing.
@@ -31,6 +32,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections import Counter
 from contextlib import nullcontext
 from datetime import timedelta
@@ -149,12 +151,17 @@ def pages(client: httpx.Client) -> dict[str, str]:
     return found
 
 
+PENDING: Counter[str] = Counter()  # responses that said "being read" (data-pending), by path
+
+
 def fetch_ms(client: httpx.Client, path: str) -> float:
-    """One whole HTTP response's wall time (ms); anything but 200 is an error."""
+    """One whole HTTP response's wall time (ms); anything but 200 is an error. A page whose
+    first read outlasted the render budget answers with a placeholder: counted in PENDING."""
     started = time.perf_counter()
     response = client.get(path)
     if response.status_code != 200:
         raise RuntimeError(f"{path} answered {response.status_code}")
+    PENDING[path] += "data-pending" in response.text
     return (time.perf_counter() - started) * 1000
 
 
@@ -168,6 +175,7 @@ def time_pages(url: str, repeat: int) -> dict[str, float]:
             times = [fetch_ms(client, path) for _ in range(repeat)]
             figures[f"{name}_p50_ms"] = round(percentile(times, 50), 1)
             figures[f"{name}_p95_ms"] = round(percentile(times, 95), 1)
+            figures[f"{name}_pending"] = PENDING[path]  # of 1 + repeat responses
     return figures
 
 
@@ -198,6 +206,7 @@ async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromi
         opened_before = dashboard.streams.opened
         dashboard.counter.reset()
         started, stop = time.monotonic(), threading.Event()
+        pending_before = PENDING["/"] + PENDING["/tasks"]
         timing = asyncio.create_task(asyncio.to_thread(time_while_changing, dashboard.url, stop))
         await publish_stream(dashboard.uri, args.rate, args.seconds)
         elapsed = time.monotonic() - started
@@ -206,6 +215,7 @@ async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromi
         renders = await timing
         await browser.close()
     return {
+        "live_pending": PENDING["/"] + PENDING["/tasks"] - pending_before,
         "live_render_p50_ms": round(percentile(renders, 50), 1),
         "live_render_p95_ms": round(percentile(renders, 95), 1),
         "live_commands_per_s": round(sum(counts.values()) / elapsed, 2),
@@ -218,9 +228,10 @@ async def live_load(dashboard: DashboardThread, args: argparse.Namespace, chromi
 
 async def publish_stream(uri: str, rate: float, seconds: float) -> None:
     """``noop`` tasks (the worker processes run them) at ``rate`` a second for ``seconds``."""
+    run = uuid.uuid4().hex[:6]  # new keys each run, on a server given with --uri too
     async with TaskRunner(uri, collection=COLLECTION, timeout=120) as runner:
         for i in range(int(rate * seconds)):
-            await runner.publish("noop", {"n": i}, key=f"live{i:05}", allow_unknown=True)
+            await runner.publish("noop", {"n": i}, key=f"live-{run}-{i:05}", allow_unknown=True)
             await asyncio.sleep(1 / rate)
 
 

@@ -678,20 +678,25 @@ def dashboard(r: Report) -> None:
         "",
         "`taskrunner dashboard` over the embedded server holding N tasks: each page's whole HTTP "
         "response, first (a page or filter nobody opened yet is read before it renders) and over "
-        "the repeats after it (pages render the latest read and re-read in the background); then "
+        "the repeats after it (pages render the latest read and re-read in the background; a page "
+        "whose first read takes over 200 ms answers with a placeholder, counted); then "
         "renders and server commands per second while chromium tabs watch tasks being published.",
     )
     if r.not_run("dashboard"):
         return
     for g in r.groups("dashboard", key=lambda g: (numeric(g.get("tasks")), bool(g.get("hog")))):
         rows = [
-            [page, *(fmt(g.median(f"{page}_{kind}_ms"), 0) for kind in ("first", "p50", "p95"))]
+            [
+                page,
+                *(fmt(g.median(f"{page}_{kind}_ms"), 0) for kind in ("first", "p50", "p95")),
+                fmt(g.median(f"{page}_pending"), 0),
+            ]
             for page in DASHBOARD_PAGES
             if g.median(f"{page}_p50_ms") is not None
         ]
         hog = ", both cores kept busy by a CPU hog" if g.get("hog") else ""
         r.add("", f"{fmt(g.get('tasks'), 0)} tasks{hog}, n = {g.n}:", "")
-        r.add(*table(["page", "first ms", "p50 ms", "p95 ms"], rows))
+        r.add(*table(["page", "first ms", "p50 ms", "p95 ms", "placeholders"], rows))
         live = [
             ("renders while publishing, p50 / p95 ms", "live_render_p50_ms", "live_render_p95_ms"),
             ("dashboard commands per second with tabs open", "live_commands_per_s", None),

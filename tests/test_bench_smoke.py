@@ -251,7 +251,7 @@ def synthetic_lines() -> list[dict[str, Any]]:
         f"{page}_{kind}_ms": ms
         for page in pages
         for kind, ms in (("first", 900.0), ("p50", 12.0), ("p95", 25.0))
-    }
+    } | {f"{page}_pending": 0 for page in pages}
     live = {"live_render_p50_ms": 15.0, "live_render_p95_ms": 40.0, "live_commands_per_s": 3.5}
     configs.append(
         ("dashboard", {"tasks": 10000, "tabs": 2, "rate": 10.0}, render | live | {"change_streams_opened": 1})
@@ -317,7 +317,7 @@ def test_report_renders_every_bench(tmp_path: Path) -> None:
     assert "| 16 | 1.2 | 30 | 14 | 40 | 3 |" in text  # latest 3 of 4 runs
     assert "Test CPU" in text and "2026-11-22T08:01:00" in text and "2026-11-22T08:00:00" not in text
     assert "| one | no | 4 | 40 | 20 | 2 | 5 / 30 |" in text  # the ratio within each round
-    assert "| tasks | 900 | 12 | 25 |" in text and "while publishing, p50 / p95 ms: 15 / 40" in text
+    assert "| tasks | 900 | 12 | 25 | 0 |" in text and "while publishing, p50 / p95 ms: 15 / 40" in text
     plots = tmp_path / "docs" / "benchmarks"
     for name in ("versus", "roundtrips", "claim_storm", "pickup", "throughput", "takeover", "heartbeat"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
