@@ -31,6 +31,7 @@ from taskrunner.runner import TaskRunner
 HERE = Path(__file__).parent
 KEEPALIVE_SECONDS = 15.0
 RENDER_WAIT = 0.2  # a page's first read: wait this long, then render it as being read
+WARM_SECONDS = 60.0  # at start, wait this long at most for the first reads before serving
 
 
 def environment() -> Environment:
@@ -52,12 +53,16 @@ class Dashboard:
             lambda: self.hub.changes, lambda page: self.hub.announce(fresh_message(page))
         )
 
-    def warm(self) -> None:
-        """Read the pages with counts in the background, so first visits render at once."""
-        self.snapshots.warm("overview", lambda: pages.overview(self.runner))
-        self.snapshots.warm("schedules", lambda: pages.schedules(self.runner))
+    async def warm(self) -> None:
+        """Read the pages with counts before serving (for at most ``WARM_SECONDS``), so the
+        first visits render their figures at once; a server away only delays that."""
         default = pages.TaskFilter()
-        self.snapshots.warm(default.page(), lambda: pages.task_list(self.runner, default))
+        self.snapshots.warm("overview", partial(pages.overview, self.runner))
+        self.snapshots.warm("schedules", partial(pages.schedules, self.runner))
+        self.snapshots.warm(default.page(), partial(pages.task_list, self.runner, default))
+        reading = list(self.snapshots.reading.values())
+        if reading:
+            await asyncio.wait(reading, timeout=WARM_SECONDS)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
         csrf = csrf_token(request)
@@ -172,7 +177,7 @@ def create_app(runner: TaskRunner, *, allow_actions: bool = False, token: str | 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         hub = asyncio.create_task(dashboard.hub.run())
-        dashboard.warm()
+        await dashboard.warm()
         try:
             yield
         finally:
