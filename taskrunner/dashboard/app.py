@@ -57,12 +57,12 @@ class Dashboard:
         """Read the pages with counts before serving (for at most ``WARM_SECONDS``), so the
         first visits render their figures at once; a server away only delays that."""
         default = pages.TaskFilter()
-        self.snapshots.warm("overview", partial(pages.overview, self.runner))
-        self.snapshots.warm("schedules", partial(pages.schedules, self.runner))
-        self.snapshots.warm(default.page(), partial(pages.task_list, self.runner, default))
-        reading = list(self.snapshots.reading.values())
-        if reading:
-            await asyncio.wait(reading, timeout=WARM_SECONDS)
+        reads = {
+            "overview": partial(pages.overview, self.runner),
+            "schedules": partial(pages.schedules, self.runner),
+            default.page(): partial(pages.task_list, self.runner, default),
+        }
+        await self.snapshots.warm(reads, within=WARM_SECONDS)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any) -> Response:
         csrf = csrf_token(request)

@@ -111,7 +111,7 @@ class TaskFilter:
 
     def page(self) -> str:
         """The key of this listing's snapshot (``tasks?state=FAIL&sort=created``)."""
-        after = f"{self.after[0].isoformat()}|{self.after[1]}" if self.after else None
+        after = format_cursor(*self.after) if self.after else None
         return "tasks?" + urlencode(self.query(after=after))
 
     def query(self, **changes: str | None) -> dict[str, str]:
@@ -123,8 +123,12 @@ class TaskFilter:
 
 def cursor(task: Task, sort: str) -> str:
     """The ``after`` value continuing a listing after ``task``."""
-    at = task.created_at if sort == "created" else task.updated_at
-    return f"{at.isoformat()}|{task.key}"
+    return format_cursor(task.created_at if sort == "created" else task.updated_at, task.key)
+
+
+def format_cursor(at: datetime, key: str) -> str:
+    """The ``after`` text of a position: what ``parse_cursor`` reads back."""
+    return f"{at.isoformat()}|{key}"
 
 
 def parse_cursor(text: str | None) -> tuple[datetime, str] | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -81,10 +81,11 @@ class Snapshots:
         self.recent.move_to_end(page)
         return snapshot.data | {"as_of": snapshot.as_of, "refreshing": page in self.reading}
 
-    def warm(self, page: str, read: Read) -> None:
-        """Read ``page`` in the background now (at start-up), so the first visit renders at once."""
-        if page not in self.recent:
-            self._refresh(page, read, None)
+    async def warm(self, reads: Mapping[str, Read], *, within: float) -> None:
+        """Read the pages not read yet, waiting ``within`` seconds at most (the reads go on)."""
+        started = [self._start(page, read, 0.0) for page, read in reads.items() if page not in self.recent]
+        if started:
+            await asyncio.wait(started, timeout=within)
 
     def forget(self) -> None:
         """Drop every snapshot (after an action: the next page shows its effect)."""
@@ -100,14 +101,9 @@ class Snapshots:
         age = time.monotonic() - snapshot.started
         return snapshot.seen != self.changes() or age >= max(self.max_age, AGE_FACTOR * snapshot.took)
 
-    def _refresh(self, page: str, read: Read, snapshot: Snapshot | None) -> None:
-        if page in self.reading:
-            return
-        delay = 0.0
-        if snapshot is not None:
-            gap = max(self.fresh_for, snapshot.took)
-            delay = max(0.0, snapshot.started + gap - time.monotonic())
-        self._start(page, read, delay)
+    def _refresh(self, page: str, read: Read, snapshot: Snapshot) -> None:
+        gap = max(self.fresh_for, snapshot.took)
+        self._start(page, read, max(0.0, snapshot.started + gap - time.monotonic()))
 
     def _start(self, page: str, read: Read, delay: float) -> asyncio.Task[Snapshot]:
         """The page's read in progress, or a new one (one at a time per page)."""
