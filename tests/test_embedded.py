@@ -259,7 +259,7 @@ def test_missing_mongoeco_imports_but_refuses_to_start() -> None:
     """Without mongoeco the module still imports, and constructing a server raises RuntimeError."""
     script = (
         "import sys; sys.modules['mongoeco'] = None\n"
-        "import taskrunner.dev.server as embedded\n"
+        "import taskrunner.dev.server as embedded\nimport taskrunner.dev.streams\n"
         "for build in (embedded.EmbeddedServer, embedded.ServerThread):\n"
         "    try: build()\n"
         "    except RuntimeError as error: print(error)\n"
@@ -292,7 +292,9 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
         if not broken and stream._hub._events[-1].token != 1:
             broken.append("hub event snapshots lost their integer .token")
         stream.close()
-    assert not broken, "mongoeco internals used by taskrunner/dev/server.py changed: " + "; ".join(broken)
+    assert not broken, (
+        "mongoeco internals used by taskrunner/dev/ (server.py, streams.py) changed: " + "; ".join(broken)
+    )
     assert encode_change_stream_token(1) == "eyJ2IjoxLCJ0IjoxfQ"
 
 

@@ -15,7 +15,7 @@ import pytest
 from workers import WorkerPool
 
 from taskrunner import TaskRunner, TaskState
-from taskrunner.dev import server as embedded
+from taskrunner.dev import streams, wire
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.embedded
@@ -33,9 +33,9 @@ def failing_get_mores(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     async def get_more(self: Any, command: Any) -> dict[str, Any]:
         failures["getMore"] += 1
-        raise embedded._failure("not authorized on taskrunner to execute command getMore", 13, "Unauthorized")
+        raise wire.failure("not authorized on taskrunner to execute command getMore", 13, "Unauthorized")
 
-    monkeypatch.setattr(embedded._ChangeStreams, "get_more", get_more)
+    monkeypatch.setattr(streams.ChangeStreams, "get_more", get_more)
     return failures
 
 
