@@ -275,6 +275,8 @@ def test_missing_mongoeco_imports_but_refuses_to_start() -> None:
 async def test_mongoeco_pin_and_private_internals_hold() -> None:
     """mongoeco is exactly 4.11.0 and every private internal the bridge relies on still exists."""
     from mongoeco.api import AsyncMongoClient as EcoClient
+    from mongoeco.core import compiled_query
+    from mongoeco.core.filtering import QueryEngine
     from mongoeco.wire import proxy, requests
 
     assert importlib.metadata.version("mongoeco") == "4.11.0", "mongoeco is not the pinned 4.11.0"
@@ -283,6 +285,12 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
     ]
     context_fields = {field.name for field in dataclasses.fields(requests.WireRequestContext)}
     broken += [f"WireRequestContext.{n} missing" for n in _CONTEXT_FIELDS if n not in context_fields]
+    broken += [f"QueryEngine.{n} missing" for n in _QUERY_ENGINE_NAMES if not hasattr(QueryEngine, n)]
+    broken += [
+        f"CompiledQuery.{n} missing" for n in _COMPILED_NAMES if not hasattr(compiled_query.CompiledQuery, n)
+    ]
+    source = inspect.getsource(compiled_query)
+    broken += [f"compiled_query.py no longer has {code}" for code in _COMPILED_CODE if code not in source]
     client = EcoClient(change_stream_history_size=3)
     async with client:
         server = proxy.AsyncMongoEcoProxyServer(client=client)
@@ -298,7 +306,7 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
             )
         stream.close()
     assert not broken, (
-        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py)"
+        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py)"
         " changed: " + "; ".join(broken)
     )
 
@@ -311,6 +319,18 @@ _PROXY_CALLS = (
 _EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
 _CONTEXT_FIELDS = ("command_name", "db_name", "command_document")
 _HUB_NAMES = ("_append_committed_event_locked", "_events")
+_QUERY_ENGINE_NAMES = (
+    "_comparison_matches_candidate",
+    "_match_top_level_comparison",
+    "_evaluate_comparison",
+    "_extract_values",
+)
+_COMPILED_NAMES = ("_comparison_code", "_store", "_compile_expression")
+_COMPILED_CODE = (
+    "'top_compare': QueryEngine._match_top_level_comparison",
+    "'match_plan': QueryEngine.match_plan",
+    "match_plan(doc, {node_key}, dialect=dialect, '",
+)
 
 
 def test_serve_stops_cleanly_on_sigterm() -> None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from bson import Timestamp
+from bson.max_key import MaxKey
+from bson.min_key import MinKey
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.errors import OperationFailure
@@ -377,3 +379,82 @@ async def test_an_ended_stream_resumes_only_with_start_after(server: EmbeddedSer
     assert failure.value.code == 260
     after = await tasks.watch(start_after=stream.resume_token, max_await_time_ms=300)
     assert [event["documentKey"] for event in await _drain(after)] == [{"_id": 1}]
+
+
+# Type bracketing: query-language comparisons match one BSON type bracket; $expr compares across.
+
+_DAY = datetime.datetime(2024, 1, 2)
+_VALUES: dict[str, Any] = {
+    "null": None,
+    "int": 5,
+    "float": 1.5,
+    "string": "s",
+    "bool": True,
+    "object": {"a": 1},
+    "earlier": _DAY - datetime.timedelta(days=1),
+    "later": _DAY + datetime.timedelta(days=1),
+    "dates-in-array": [1, _DAY - datetime.timedelta(days=2)],
+    "numbers-in-array": [1, 2],
+    "minkey": MinKey(),
+    "maxkey": MaxKey(),
+}
+
+
+async def _seed(client: Client) -> Any:
+    things = client.db.things
+    await things.insert_many(
+        [{"_id": name, "v": value, "n": {"v": value}} for name, value in _VALUES.items()]
+        + [{"_id": "missing", "n": {}}]
+    )
+    return things
+
+
+async def _ids(cursor: Any) -> list[str]:
+    return sorted(document["_id"] for document in await cursor.to_list())
+
+
+@pytest.mark.parametrize(
+    ("condition", "expected"),
+    [
+        ({"$lte": _DAY}, ["dates-in-array", "earlier"]),
+        ({"$lt": _DAY}, ["dates-in-array", "earlier"]),
+        ({"$gt": _DAY}, ["later"]),
+        ({"$gte": _DAY}, ["later"]),
+        ({"$lt": 3}, ["dates-in-array", "float", "numbers-in-array"]),
+        ({"$gte": "a"}, ["string"]),
+        ({"$lte": None}, ["missing", "null"]),
+        ({"$gte": None}, ["missing", "null"]),
+        ({"$lt": None}, []),
+        ({"$gt": MinKey()}, sorted(set(_VALUES) - {"minkey"} | {"missing"})),
+        ({"$lt": MaxKey()}, sorted(set(_VALUES) - {"maxkey"} | {"missing"})),
+    ],
+)
+async def test_range_queries_match_only_the_bounds_type_bracket(
+    client: Client, condition: dict[str, Any], expected: list[str]
+) -> None:
+    """$lt/$lte/$gt/$gte in find, dotted paths, aggregate $match, count, update and delete filters
+    match only values of the bound's type (arrays by element; null also missing; MinKey/MaxKey all)."""
+    things = await _seed(client)
+    await things.create_index("v")
+    assert await _ids(things.find({"v": condition})) == expected
+    assert await _ids(things.find({"n.v": condition})) == expected
+    assert await _ids(await things.aggregate([{"$match": {"v": condition}}])) == expected
+    assert await things.count_documents({"v": condition}) == len(expected)
+    updated = await things.update_many({"v": condition}, {"$set": {"hit": True}})
+    assert updated.modified_count == len(expected)
+    assert (await things.delete_many({"v": condition})).deleted_count == len(expected)
+
+
+async def test_expr_comparisons_still_compare_across_types(client: Client) -> None:
+    """Aggregation $expr comparisons follow the BSON order across types, as on MongoDB."""
+    things = await _seed(client)
+    found = await _ids(things.find({"$expr": {"$lte": ["$v", _DAY]}}))
+    assert found == sorted(set(_VALUES) - {"later", "maxkey"} | {"missing"})
+
+
+async def test_change_stream_match_brackets_types(client: Client) -> None:
+    """A change stream's $match on a date range skips events whose field is null or a number."""
+    things = client.db.things
+    stream = await things.watch([{"$match": {"fullDocument.v": {"$lte": _DAY}}}], max_await_time_ms=500)
+    await things.insert_many([{"_id": "null", "v": None}, {"_id": "int", "v": 1}, {"_id": "date", "v": _DAY}])
+    assert [event["documentKey"]["_id"] for event in await _drain(stream)] == ["date"]

@@ -13,6 +13,8 @@ proxy's command executor and fixes what taskrunner depends on:
   clock, as a replica-set member's do (drivers use them for causal consistency).
 * Renames.  MongoDB runs ``renameCollection`` on admin; mongoeco renames only within the
   database it runs in, so the bridge runs it there.
+* Type bracketing (``taskrunner.dev.bracketing``): query-language range comparisons match
+  only values of the bound's BSON type, as MongoDB's do.
 * ``collMod``.  mongoeco has no ``collMod``; the bridge applies its validator
   settings (``validator``, ``validationLevel``, ``validationAction``) to the
   engine's stored collection options, so ``taskrunner init --validator`` works
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from taskrunner.dev import bracketing
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
@@ -238,6 +241,7 @@ class EmbeddedServer:
     async def _start_proxy(self) -> str:
         proxy = AsyncMongoEcoProxyServer(client=self._client, host=self._host, port=self._port)
         self._proxy = proxy
+        bracketing.install()
         self._streams = ChangeStreams(self._client, self._history_size)
         proxy._executor = _BridgeExecutor(proxy._executor, self._streams)
         address = await proxy.start()
