@@ -23,8 +23,8 @@ proxy's command executor and fixes what taskrunner depends on:
   driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
   then send back.  Replies get Int64 ids and requests get plain ints.
 
-The bridge reads mongoeco internals (the executor seam); ``tests/test_embedded.py``
-fails loudly when a mongoeco upgrade moves any of them.
+The bridge reads mongoeco internals (the executor seam and its request context);
+``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves any of them.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class EmbeddedServer:
         streams, self._streams = self._streams, None
         client, self._client = self._client, None
         if streams is not None:
-            streams.close()  # wakes getMores parked in the hub before connections drop
+            streams.close()  # wakes parked getMores before connections drop
         if proxy is not None:
             await proxy.close()
         if client is not None:
