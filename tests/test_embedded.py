@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import inspect
 import json
@@ -273,29 +274,41 @@ def test_missing_mongoeco_imports_but_refuses_to_start() -> None:
 
 async def test_mongoeco_pin_and_private_internals_hold() -> None:
     """mongoeco is exactly 4.11.0 and every private internal the bridge relies on still exists."""
-    from mongoeco._types.documents import encode_change_stream_token
     from mongoeco.api import AsyncMongoClient as EcoClient
-    from mongoeco.wire import proxy
+    from mongoeco.core import compiled_query
+    from mongoeco.core.filtering import QueryEngine
+    from mongoeco.wire import proxy, requests
 
     assert importlib.metadata.version("mongoeco") == "4.11.0", "mongoeco is not the pinned 4.11.0"
     broken = [
         f"proxy.py no longer calls {call}" for call in _PROXY_CALLS if call not in inspect.getsource(proxy)
     ]
+    context_fields = {field.name for field in dataclasses.fields(requests.WireRequestContext)}
+    broken += [f"WireRequestContext.{n} missing" for n in _CONTEXT_FIELDS if n not in context_fields]
+    broken += [f"QueryEngine.{n} missing" for n in _QUERY_ENGINE_NAMES if not hasattr(QueryEngine, n)]
+    broken += [
+        f"CompiledQuery.{n} missing" for n in _COMPILED_NAMES if not hasattr(compiled_query.CompiledQuery, n)
+    ]
+    source = inspect.getsource(compiled_query)
+    broken += [f"compiled_query.py no longer has {code}" for code in _COMPILED_CODE if code not in source]
     client = EcoClient(change_stream_history_size=3)
     async with client:
         server = proxy.AsyncMongoEcoProxyServer(client=client)
         broken += [f"executor.{n} missing" for n in _EXECUTOR_NAMES if not hasattr(server._executor, n)]
-        stream = client.get_database("d").get_collection("c").watch(max_await_time_ms=0)
-        broken += [f"stream.{n} missing" for n in _STREAM_NAMES if not hasattr(stream, n)]
-        await client.d.c.insert_one({"_id": 1})
+        stream = client.watch(max_await_time_ms=0)
         broken += [f"hub.{n} missing" for n in _HUB_NAMES if not hasattr(stream._hub, n)]
-        if not broken and stream._hub._events[-1].token != 1:
-            broken.append("hub event snapshots lost their integer .token")
+        await client.d.c.insert_one({"_id": 1})
+        await client.d.c.drop()
+        events = [(e.operation_type, e.db_name, e.coll_name, e.document_key) for e in stream._hub._events]
+        if events != [("insert", "d", "c", {"_id": 1}), ("invalidate", "d", "c", {"_id": "d.c"})]:
+            broken.append(
+                f"hub events of an insert and a drop are no longer as the oplog reads them: {events}"
+            )
         stream.close()
     assert not broken, (
-        "mongoeco internals used by taskrunner/dev/ (server.py, streams.py) changed: " + "; ".join(broken)
+        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py)"
+        " changed: " + "; ".join(broken)
     )
-    assert encode_change_stream_token(1) == "eyJ2IjoxLCJ0IjoxfQ"
 
 
 _PROXY_CALLS = (
@@ -304,20 +317,20 @@ _PROXY_CALLS = (
     "self._executor.error_document(",
 )
 _EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
-_STREAM_NAMES = (
-    "_hub",
-    "_offset",
-    "_max_await_time_ms",
-    "try_next",
-    "alive",
-    "close",
-    "_pipeline",
-    "_scope",
-    "_full_document",
-    "_materialize_document",
-    "_transform",
+_CONTEXT_FIELDS = ("command_name", "db_name", "command_document")
+_HUB_NAMES = ("_append_committed_event_locked", "_events")
+_QUERY_ENGINE_NAMES = (
+    "_comparison_matches_candidate",
+    "_match_top_level_comparison",
+    "_evaluate_comparison",
+    "_extract_values",
 )
-_HUB_NAMES = ("_condition", "_events", "_base_offset", "_next_token")
+_COMPILED_NAMES = ("_comparison_code", "_store", "_compile_expression")
+_COMPILED_CODE = (
+    "'top_compare': QueryEngine._match_top_level_comparison",
+    "'match_plan': QueryEngine.match_plan",
+    "match_plan(doc, {node_key}, dialect=dialect, '",
+)
 
 
 def test_serve_stops_cleanly_on_sigterm() -> None:

@@ -6,8 +6,15 @@ Node driver and ``mongosh`` can connect.  Out of the box it falls short of what
 taskrunner needs, so :class:`_BridgeExecutor` is installed in place of the
 proxy's command executor and fixes what taskrunner depends on:
 
-* Change streams (``taskrunner.dev.streams``): served from mongoeco's in-process
-  ``watch()``, with resume tokens, update descriptions and compiled ``$match``.
+* Change streams (``taskrunner.dev.streams``): served from the bridge's own oplog
+  (``taskrunner.dev.oplog``), fed by mongoeco's change hub, as MongoDB serves them: event
+  shapes, drops, renames and invalidates, resume tokens and errors, update descriptions.
+* Cluster time.  Every reply carries ``operationTime`` and ``$clusterTime`` from the oplog's
+  clock, as a replica-set member's do (drivers use them for causal consistency).
+* Renames.  MongoDB runs ``renameCollection`` on admin; mongoeco renames only within the
+  database it runs in, so the bridge runs it there.
+* Type bracketing (``taskrunner.dev.bracketing``): query-language range comparisons match
+  only values of the bound's BSON type, as MongoDB's do.
 * ``collMod``.  mongoeco has no ``collMod``; the bridge applies its validator
   settings (``validator``, ``validationLevel``, ``validationAction``) to the
   engine's stored collection options, so ``taskrunner init --validator`` works
@@ -16,10 +23,8 @@ proxy's command executor and fixes what taskrunner depends on:
   driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
   then send back.  Replies get Int64 ids and requests get plain ints.
 
-The bridge reads mongoeco internals (the executor seam); ``tests/test_embedded.py``
-fails loudly when a mongoeco upgrade moves any of them.  Known mongoeco quirks
-the bridge does not hide: dropping a collection loses the next change event,
-and cross-type comparisons differ from MongoDB.
+The bridge reads mongoeco internals (the executor seam and its request context);
+``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves any of them.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from taskrunner.dev.streams import ChangeStreams, is_change_stream
+from taskrunner.dev import bracketing
+from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
 if MONGOECO_AVAILABLE:
@@ -97,7 +103,7 @@ class _BridgeExecutor:
 
     def error_document(self, error: Exception) -> dict[str, Any]:
         document: dict[str, Any] = self._inner.error_document(error)
-        return document
+        return self._streams.stamp(document)
 
     def _build_request_context(
         self,
@@ -109,6 +115,7 @@ class _BridgeExecutor:
     ) -> Any:
         command = next(iter(body), "")
         _unwrap_cursor_ids(command, body)
+        db_name = command_database(command, body, db_name)
         bridged = self._divert(command, body, db_name or body.get("$db"))
         if bridged is None:
             return self._inner._build_request_context(
@@ -143,8 +150,12 @@ class _BridgeExecutor:
         return BridgedCommand("killCursors", db, body)
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
+        return self._streams.stamp(await self._execute(context))
+
+    async def _execute(self, context: Any) -> dict[str, Any]:
         if not isinstance(context, BridgedCommand):
-            reply: dict[str, Any] = await self._inner.execute_prepared(context)
+            name, db, body = context.command_name, context.db_name, context.command_document
+            reply = await self._streams.apply(name, db, body, lambda: self._inner.execute_prepared(context))
             return _with_int64_cursor_id(reply)
         if context.name == "aggregate":
             return await self._streams.aggregate(context)
@@ -207,6 +218,13 @@ class EmbeddedServer:
             raise RuntimeError("the embedded server is not running")
         return self._uri
 
+    @property
+    def streams(self) -> ChangeStreams:
+        """The running server's change streams (``streams.end(ns)`` ends them, for tests)."""
+        if self._streams is None:
+            raise RuntimeError("the embedded server is not running")
+        return self._streams
+
     async def start(self) -> str:
         if self._uri is not None:
             return self._uri
@@ -223,7 +241,8 @@ class EmbeddedServer:
     async def _start_proxy(self) -> str:
         proxy = AsyncMongoEcoProxyServer(client=self._client, host=self._host, port=self._port)
         self._proxy = proxy
-        self._streams = ChangeStreams(self._client)
+        bracketing.install()
+        self._streams = ChangeStreams(self._client, self._history_size)
         proxy._executor = _BridgeExecutor(proxy._executor, self._streams)
         address = await proxy.start()
         return _format_uri(address.host, address.port)
@@ -234,7 +253,7 @@ class EmbeddedServer:
         streams, self._streams = self._streams, None
         client, self._client = self._client, None
         if streams is not None:
-            streams.close()  # wakes getMores parked in the hub before connections drop
+            streams.close()  # wakes parked getMores before connections drop
         if proxy is not None:
             await proxy.close()
         if client is not None:
