@@ -654,6 +654,36 @@ async def test_due_lists_expired_leases_before_a_backlog_of_older_new_tasks(
     assert [t.key for t in page.tasks] == ["crashed", "new0", "new1", "new2"] and page.after is None
 
 
+async def test_due_finds_unsettled_documents_by_positive_types(store: Store, raw_insert: Raw) -> None:
+    """The sweep's unsettled ranges find every unfinished document whose claimable_at is
+    missing, null, empty or of another type than a date (arrays by their elements), and
+    every document without a valid state; never one with a date (``rules.unsettled``)."""
+    now = await store.server_time()
+    values: dict[str, Any] = {
+        "null": None,
+        "empty": [],
+        "text": "2000-01-01",
+        "number": 0,
+        "long": 2**40,
+        "object": {"at": now},
+        "bool": True,
+        "numbers": [1],
+        "with-null": [now, None],
+        "date": now,
+        "dates": [now],
+    }
+    for label, value in values.items():
+        await raw_insert({"key": label, "name": "job", "state": "PENDING", "claimable_at": value})
+    await raw_insert({"key": "missing", "name": "job", "state": "RUNNING"})
+    await raw_insert({"key": "no-state", "name": "job", "claimable_at": now})
+    await raw_insert({"key": "bad-state", "name": "job", "state": 3, "claimable_at": now})
+    await raw_insert({"key": "done", "name": "job", "state": "SUCCESS"})
+    page = await store.due("w1", ["other"], horizon=now, limit=100)
+    found = sorted([str(u.key) for u in page.unreadable] + [t.key for t in page.tasks])
+    expected = [k for k in values if k not in ("date", "dates")] + ["missing", "no-state", "bad-state"]
+    assert found == sorted(expected)
+
+
 async def test_memory_watch_reports_lost_history() -> None:
     """Resuming from a token older than the kept history raises ChangeHistoryLost."""
     store = MemoryStore(history=2)

@@ -531,13 +531,24 @@ def retry_update() -> list[Expr]:
     ]
 
 
+NOT_DATES = [t for t in rules.BSON_TYPES if t not in ("date", "array")]
+"""Every BSON type but a date, as ``$type`` aliases; an array matches by its elements'
+types (``$type: "array"`` would give no index bounds), an empty one by ``[]``."""
+
+
 def unsettled_branches() -> list[dict[str, Any]]:
-    """``rules.unsettled`` as two ranges of the claim index: states outside the five, and
-    unfinished without a claimable_at date (the key's type is checked on what they find)."""
+    """``rules.unsettled`` as three ranges of the claim index, each a clause of a ``$or``:
+    states outside the five (the complement of five points), and unfinished with a
+    missing, null or empty ``claimable_at``, or one of any type but a date. Written as
+    positive types because MongoDB's planner builds no index bounds from a negated
+    ``$type``: ``{$not: {$type: "date"}}`` read every active index key. The key's type is
+    checked on what the bounds find."""
     keyed = {f.KEY: {"$type": "string"}}
+    active = {f.STATE: {"$in": list(ACTIVE)}}
     return [
         {f.STATE: {"$nin": list(STATES)}, **keyed},
-        {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}, **keyed},
+        {**active, f.CLAIMABLE_AT: {"$in": [None, []]}, **keyed},
+        {**active, f.CLAIMABLE_AT: {"$type": NOT_DATES}, **keyed},
     ]
 
 
