@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import bson
-from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne, monitoring
+from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateOne, monitoring
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
@@ -125,11 +125,15 @@ class MongoStore:
         self, client: AsyncMongoClient[Doc], database: str, collection: str, *, owns_client: bool = False
     ) -> None:
         self.client = client
-        self.collection: AsyncCollection[Doc] = client[database][collection]
-        self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
-        self.schedule_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.SCHEDULES_SUFFIX}"]
-        self.limit_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.LIMITS_SUFFIX}"]
-        self.gate_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.GATES_SUFFIX}"]
+        # Every read follows this process's own writes (a claim's read-back, get after
+        # publish, a gate after its update): on the primary, whatever the URI's
+        # readPreference says, since a secondary may not have applied them yet.
+        db = client.get_database(database, read_preference=ReadPreference.PRIMARY)
+        self.collection: AsyncCollection[Doc] = db[collection]
+        self.registry: AsyncCollection[Doc] = db[f"{collection}.{f.REGISTRY_SUFFIX}"]
+        self.schedule_docs: AsyncCollection[Doc] = db[f"{collection}.{f.SCHEDULES_SUFFIX}"]
+        self.limit_docs: AsyncCollection[Doc] = db[f"{collection}.{f.LIMITS_SUFFIX}"]
+        self.gate_docs: AsyncCollection[Doc] = db[f"{collection}.{f.GATES_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
