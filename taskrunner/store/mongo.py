@@ -35,6 +35,7 @@ from taskrunner.errors import (
     MalformedTask,
     PartialBulkWrite,
     ScheduleNotFound,
+    ServerTooOld,
     StoreError,
     StoreUnavailable,
     TaskNotFound,
@@ -42,7 +43,7 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
-from taskrunner.preflight import ServerInfo, read_server
+from taskrunner.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
 from taskrunner.redact import redact
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store import expressions as x
@@ -70,6 +71,7 @@ _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _DOCUMENT_INVALID = 121
 _DUPLICATE_KEY = 11000
 _NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
+_COMMAND_NOT_FOUND = 59
 _AWAIT_MS = 500  # one getMore waits this long for changes
 _WORK_AWAIT_MS = 5000  # ... and on a worker's (filtered) stream
 
@@ -106,6 +108,12 @@ def mapped_errors() -> Iterator[None]:
         raise StoreError(redact(str(exc))) from exc
     except pe.PyMongoError as exc:
         raise StoreError(redact(str(exc))) from exc
+
+
+def _code(exc: BaseException) -> int | None:
+    """The server's error code behind a mapped error, if it gave one."""
+    cause = exc.__cause__
+    return cause.code if isinstance(cause, pe.OperationFailure) else None
 
 
 def _write_error(error: Doc) -> StoreError:
@@ -570,9 +578,21 @@ class MongoStore:
         return now if now.tzinfo else now.replace(tzinfo=UTC)
 
     async def server_info(self) -> ServerInfo:
+        # buildInfo first: a server older than the minimum may not know hello (4.4.2).
         with mapped_errors():
-            hello = await self.client.admin.command("hello")
             build_info = await self.client.admin.command("buildInfo")
+        if too_old(build_info):
+            return read_server({}, build_info, {})
+        try:
+            with mapped_errors():
+                hello = await self.client.admin.command("hello")
+        except StoreError as exc:
+            if _code(exc) != _COMMAND_NOT_FOUND:
+                raise
+            raise ServerTooOld(
+                read_server({}, build_info, {}).version_text, MINIMUM_TEXT, WHY_MINIMUM
+            ) from exc
+        with mapped_errors():
             status = await self.client.admin.command("connectionStatus", showPrivileges=True)
         info = read_server(hello, build_info, status)
         if info.change_streams:
