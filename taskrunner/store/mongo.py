@@ -14,9 +14,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import bson
+from bson.codec_options import CodecOptions, DatetimeConversion
+from bson.raw_bson import RawBSONDocument
 from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateOne, monitoring
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
@@ -66,6 +68,15 @@ from taskrunner.store.base import (
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
+# Dates out of Python's range (before year 1 or after 9999, which other languages write)
+# decode as bson.DatetimeMS instead of failing the whole reply: the document then reads
+# with a problem naming the field and its key, like any malformed one. Clamping them
+# instead would show a wrong date as if it were valid.
+CODEC: CodecOptions[Doc] = CodecOptions(
+    tz_aware=True, tzinfo=UTC, datetime_conversion=DatetimeConversion.DATETIME_AUTO
+)
+RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument)
+LENIENT = CODEC.with_options(unicode_decode_error_handler="replace")
 CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _DOCUMENT_INVALID = 121
@@ -91,6 +102,10 @@ def mapped_errors() -> Iterator[None]:
         # The topology description PyMongo appends is long and says nothing new.
         reason = str(exc).split(" (configured timeouts")[0].split(", Timeout:")[0]
         raise StoreUnavailable(f"MongoDB unavailable: {redact(reason)}") from exc
+    except bson.errors.InvalidBSON as exc:  # task documents are decoded one by one (_decode)
+        raise StoreError(
+            f"a document the server returned does not decode as BSON: {redact(str(exc))}"
+        ) from exc
     except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
         raise InvalidTask("task", redact(str(exc))) from exc
     except pe.DuplicateKeyError as exc:
@@ -116,6 +131,23 @@ def _code(exc: BaseException) -> int | None:
     return cause.code if isinstance(cause, pe.OperationFailure) else None
 
 
+def _decode(raw: Mapping[str, Any]) -> Doc:
+    """A raw task document as a dict. One that does not decode (a string that is not UTF-8,
+    as another language's driver may write) is decoded leniently, its key readable, and
+    marked so that it reads as a malformed task (``fields.UNDECODABLE``)."""
+    data = raw.raw if isinstance(raw, RawBSONDocument) else bson.encode(raw)
+    try:
+        return bson.decode(data, CODEC)
+    except bson.errors.InvalidBSON as exc:
+        doc: Doc = bson.decode(data, LENIENT)
+        doc[f.UNDECODABLE] = f"the document does not decode as BSON ({redact(str(exc))})"
+        return doc
+
+
+def _decoded(raw: Mapping[str, Any] | None) -> Doc | None:
+    return None if raw is None else _decode(raw)
+
+
 def _write_error(error: Doc) -> StoreError:
     """One write's error in a bulk write, as taskrunner's exception."""
     message = redact(str(error.get("errmsg", error)))
@@ -136,8 +168,11 @@ class MongoStore:
         # Every read follows this process's own writes (a claim's read-back, get after
         # publish, a gate after its update): on the primary, whatever the URI's
         # readPreference says, since a secondary may not have applied them yet.
-        db = client.get_database(database, read_preference=ReadPreference.PRIMARY)
+        db = client.get_database(database, read_preference=ReadPreference.PRIMARY, codec_options=CODEC)
         self.collection: AsyncCollection[Doc] = db[collection]
+        # Task documents are read raw and decoded one by one (``_decode``): one that does not
+        # decode is read leniently and named, instead of failing the whole reply.
+        self._raw = cast("AsyncCollection[RawBSONDocument]", db.get_collection(collection, codec_options=RAW))
         self.registry: AsyncCollection[Doc] = db[f"{collection}.{f.REGISTRY_SUFFIX}"]
         self.schedule_docs: AsyncCollection[Doc] = db[f"{collection}.{f.SCHEDULES_SUFFIX}"]
         self.limit_docs: AsyncCollection[Doc] = db[f"{collection}.{f.LIMITS_SUFFIX}"]
@@ -165,6 +200,7 @@ class MongoStore:
                 uri,
                 tz_aware=True,
                 appname="taskrunner",
+                datetime_conversion=DatetimeConversion.DATETIME_AUTO,
                 serverSelectionTimeoutMS=int(timeout * 1000),
                 connectTimeoutMS=int(timeout * 1000),
                 **extra,
@@ -222,7 +258,8 @@ class MongoStore:
             return [self._task(doc, created=doc.get(f.PUBLISH_ID) == publish_id)]
         await self._publish_bulk(ops)
         with mapped_errors():
-            docs = {d[f.KEY]: d async for d in self.collection.find({f.KEY: {"$in": [t.key for t in tasks]}})}
+            found = await self._raw.find({f.KEY: {"$in": [t.key for t in tasks]}}).to_list()
+        docs = {d.get(f.KEY): d for d in map(_decode, found)}
         return [self._task(docs[t.key], created=docs[t.key].get(f.PUBLISH_ID) == publish_id) for t in tasks]
 
     def _publish_op(
@@ -252,8 +289,10 @@ class MongoStore:
         for _ in range(3):
             try:
                 with mapped_errors():
-                    doc = await self.collection.find_one_and_update(
-                        filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                    doc = _decoded(
+                        await self._raw.find_one_and_update(
+                            filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                        )
                     )
                     assert doc is not None, "an upsert always returns a document"
                     return doc
@@ -263,7 +302,7 @@ class MongoStore:
 
     async def get(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one({f.KEY: key})
+            doc = _decoded(await self._raw.find_one({f.KEY: key}))
         if doc is None:
             raise TaskNotFound(key)
         return self._task(doc)
@@ -280,8 +319,8 @@ class MongoStore:
         if worker_id is not None:
             query[f"{f.WORKERS}.{f.WORKER_ID}"] = worker_id
         with mapped_errors():
-            cursor = self.collection.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit)
-            return [self._task(doc) async for doc in cursor]
+            found = await self._raw.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit).to_list()
+        return [self._task(_decode(doc)) for doc in found]
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         with mapped_errors():
@@ -290,8 +329,8 @@ class MongoStore:
     async def browse(self, listing: Listing) -> list[Task]:
         order = [(listing.sort, -1), (f.KEY, -1)]
         with mapped_errors():
-            cursor = self.collection.find(_listing_query(listing)).sort(order).limit(listing.limit)
-            return [self._task(doc) async for doc in cursor]
+            found = await self._raw.find(_listing_query(listing)).sort(order).limit(listing.limit).to_list()
+        return [self._task(_decode(doc)) for doc in found]
 
     @staticmethod
     def _query(state: TaskState | None, name: str | None) -> Doc:
@@ -307,14 +346,14 @@ class MongoStore:
         if after is not None:
             query[f.KEY] = {"$gt": after}
         with mapped_errors():
-            docs = await self.collection.find(query).sort(f.KEY, 1).limit(limit).to_list()
-        return page_of(docs, limit)
+            docs = await self._raw.find(query).sort(f.KEY, 1).limit(limit).to_list()
+        return page_of(list(map(_decode, docs)), limit)
 
     async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
         pipeline = x.due_pipeline(self.collection.name, worker_id, list(names), horizon, limit)
         with mapped_errors():
-            docs = await (await self.collection.aggregate(pipeline)).to_list()
-        return due_page(docs, limit)
+            docs = await (await self._raw.aggregate(pipeline)).to_list()
+        return due_page(list(map(_decode, docs)), limit)
 
     async def claim(
         self,
@@ -339,8 +378,10 @@ class MongoStore:
         query = x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
@@ -375,7 +416,7 @@ class MongoStore:
             if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
                 return Claimed([], [])
             mine = {f.KEY: {"$in": keys}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": run_ids}}
-            docs = await self.collection.find(mine).to_list()
+            docs = list(map(_decode, await self._raw.find(mine).to_list()))
         token = dict(zip(keys, run_ids, strict=True))
         claimed = Claimed([], [])
         for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
@@ -443,10 +484,10 @@ class MongoStore:
         also which outcomes that did not land still own their RUNNING entry."""
         fields = [f.KEY, f.STATE, f.opt(f.WORKER_IDS), f"{f.WORKERS}.{f.RUN_ID}", f"{f.WORKERS}.{f.STATE}"]
         with mapped_errors():
-            cursor = self.collection.find(
+            found = await self._raw.find(
                 {f.KEY: {"$in": list({w.key for w in writes})}}, dict.fromkeys(fields, 1)
-            )
-            docs = {d[f.KEY]: d async for d in cursor}
+            ).to_list()
+        docs = {d.get(f.KEY): d for d in map(_decode, found)}
         results: list[RunResult] = []
         for i, w in enumerate(writes):
             doc = docs.get(w.key)
@@ -485,8 +526,10 @@ class MongoStore:
 
     async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             raise ClaimLost(key, run_id)
@@ -500,7 +543,7 @@ class MongoStore:
 
     async def normalize(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one({f.KEY: key})
+            doc = _decoded(await self._raw.find_one({f.KEY: key}))
         if doc is None:
             raise TaskNotFound(key)
         # The values' types decide whether it reads; the write stamps server time.
@@ -513,18 +556,20 @@ class MongoStore:
             update += x.mark_update(problem.problem)
             guard |= x.unchanged(doc, sorted({f.STATE, problem.field.split(".")[0]} - {""}))
         with mapped_errors():
-            after = await self.collection.find_one_and_update(
-                guard, update, return_document=ReturnDocument.AFTER
+            after = _decoded(
+                await self._raw.find_one_and_update(guard, update, return_document=ReturnDocument.AFTER)
             )
-            after = after if after is not None else await self.collection.find_one({f.ID: doc[f.ID]})
+            after = after if after is not None else _decoded(await self._raw.find_one({f.ID: doc[f.ID]}))
         if after is None:
             raise TaskNotFound(key)
         return self._task(after)
 
     async def cancel(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             raise TaskNotFound(key)
@@ -535,8 +580,10 @@ class MongoStore:
 
     async def retry(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             task = await self.get(key)  # raises TaskNotFound
