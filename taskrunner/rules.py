@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from bson import DatetimeMS
 from pydantic import ValidationError
 
 from taskrunner import fields as f
@@ -24,6 +25,7 @@ from taskrunner.store.base import RunStatus
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
 ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
+DATES = datetime | DatetimeMS
 PENDING_UNCHANGED = object()  # marks "state not among the changed fields" in ``wakes``
 
 
@@ -472,10 +474,11 @@ def unsettled(doc: Doc) -> bool:
 def dateless(value: Any) -> bool:
     """Not a date, as MongoDB's ``{$in: [null, []]}`` or ``{$type: <every type but date
     and array>}`` judge a field: an array by its elements (one that is null, empty or of
-    another type than date), so ``[date]`` has a date; a nested array is not looked into."""
+    another type than date), so ``[date]`` has a date; a nested array is not looked into.
+    A date out of Python's range (``DatetimeMS``, as MongoStore reads it) is a date."""
     if not isinstance(value, list):
-        return not isinstance(value, datetime)
-    return value == [] or any(v is None or v == [] or not isinstance(v, datetime | list) for v in value)
+        return not isinstance(value, DATES)
+    return value == [] or any(v is None or v == [] or not isinstance(v, DATES | list) for v in value)
 
 
 def normalization(doc: Doc, now: Any) -> Doc:
