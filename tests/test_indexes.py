@@ -9,19 +9,22 @@ The rules (MongoDB's ``IndexBoundsBuilder`` and the manual's equality-sort-range
 * bounds come from top-level predicates (and ``$and`` parts, and ``$elemMatch``
   sub-fields): equality, ``$eq`` and ``$in`` give points; ``$gt``/``$gte``/``$lt``/``$lte``
   and an anchored ``$regex`` a value range; ``$type`` the whole range of its types (none
-  for ``"array"``); ``$ne``, ``$nin`` and ``$not`` of an equality the complement of their
-  points, which selects only where the excluded values are the ones valid documents hold;
+  for ``"array"``), which selects only where it leaves out the type valid documents hold
+  (a date field's ``$type: "date"`` is the whole index); ``$ne``, ``$nin`` and ``$not`` of
+  an equality the complement of their points, which selects only where the excluded
+  values are the ones valid documents hold;
 * ``$not`` of anything else (``$type``, ``$regex``, ``$elemMatch``), ``$exists``,
   ``$size``, ``$expr`` and ``$where`` give no bounds, and a ``$or`` gives them only when
   every clause is served (one index scan per clause);
 * an index serves a filter when its fields, up to the last one the filter names, are all
   bounded, points first, then the sort's fields in index order (an index walked backwards
-  serves the reversed sort), then ranges; the first field's bounds must select (not a
-  whole type). A query with no bounds at all can only walk an index in its sort order.
+  serves the reversed sort), then ranges; the first field's bounds must select (not the
+  whole index). A query without such bounds can only walk an index in its sort order.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import pytest
@@ -31,10 +34,10 @@ from taskrunner import rules
 from taskrunner.models import TaskState
 from taskrunner.store import expressions as x
 from taskrunner.store.base import Listing
-from taskrunner.store.mongo import CLAIM_SORT, _listing_query
+from taskrunner.store.mongo import CLAIM_SORT, _listing_queries
 
 Keys = list[tuple[str, int]]
-Kind = Literal["point", "range", "complement", "type"]
+Kind = Literal["point", "range", "complement", "type", "whole"]
 Served = Literal["bounds", "walk"]
 ID_INDEX: dict[str, Keys] = {"_id_": [(f.ID, 1)]}
 TASK_INDEXES: dict[str, Keys] = {**ID_INDEX, **{name: keys for name, (keys, _) in f.INDEXES.items()}}
@@ -44,11 +47,16 @@ REGISTRY_INDEXES: dict[str, Keys] = {
 }
 UNIQUE = {"_id_", *(name for name, (_, options) in f.INDEXES.items() if options.get("unique"))}
 RANGES = {"$gt", "$gte", "$lt", "$lte"}
-STRENGTH: list[Kind] = ["type", "complement", "range", "point"]
+STRENGTH: list[Kind] = ["whole", "type", "complement", "range", "point"]
+# The type every valid document holds in a field: a $type of it bounds the whole index.
+USUAL = {f.KEY: "string", f.NAME: "string", f.STATE: "string"} | {
+    field: "date"
+    for field in (f.CREATED_AT, f.UPDATED_AT, f.RUN_AT, f.CLAIMABLE_AT, f.FINISHED_AT, f.EXPIRES_AT)
+}
 LIST_SORT: Keys = [(f.CREATED_AT, 1), (f.ID, 1)]
 
 
-def _kind(predicate: Any) -> Kind | None:
+def _kind(field: str, predicate: Any) -> Kind | None:
     """The bounds one field's predicate gives an index on that field (None: no bounds)."""
     if not isinstance(predicate, dict) or not any(str(op).startswith("$") for op in predicate):
         return "point"  # plain equality (a sub-document compares whole)
@@ -64,8 +72,9 @@ def _kind(predicate: Any) -> Kind | None:
     if isinstance(negated, dict) and set(negated) <= {"$eq", "$in"}:
         return "complement"
     types = predicate.get("$type")
-    if types is not None and "array" not in (types if isinstance(types, list) else [types]):
-        return "type"
+    listed = types if isinstance(types, list) else [types]
+    if types is not None and "array" not in listed:
+        return "whole" if USUAL.get(field) in listed else "type"
     return None  # $not of $type/$regex/$elemMatch, $exists, $size, $all, ...
 
 
@@ -74,7 +83,7 @@ def bounds(query: dict[str, Any]) -> dict[str, Kind]:
     found: dict[str, Kind] = {}
 
     def add(field: str, kind: Kind | None) -> None:
-        if kind is not None and STRENGTH.index(kind) >= STRENGTH.index(found.get(field, "type")):
+        if kind is not None and STRENGTH.index(kind) >= STRENGTH.index(found.get(field, "whole")):
             found[field] = kind
 
     for field, predicate in query.items():
@@ -88,7 +97,7 @@ def bounds(query: dict[str, Any]) -> dict[str, Kind]:
             for sub, kind in bounds(predicate["$elemMatch"]).items():
                 add(f"{field}.{sub}", kind)
         else:
-            add(field, _kind(predicate))
+            add(field, _kind(field, predicate))
     return found
 
 
@@ -138,9 +147,10 @@ def serves(name: str, keys: Keys, query: dict[str, Any], sort: Keys) -> Served |
         used += 1
     if any(field in fields[used:] for field in named(query)):
         return None  # a named index field after an unbounded one: a gap in the bounds
-    if used and fields[0] in found and found[fields[0]] != "type":
+    if used and fields[0] in found and found[fields[0]] != "whole":
         return "bounds"
-    return "walk" if wanted and not found.get(fields[0]) and _follows(keys, 0, wanted) else None
+    walked = found.get(fields[0]) in (None, "whole")  # the whole index: a walk
+    return "walk" if wanted and walked and _follows(keys, 0, wanted) else None
 
 
 def _is_in(query: dict[str, Any], field: str) -> bool:
@@ -217,22 +227,25 @@ LISTING: dict[str, dict[str, Any]] = {
     "list by name and state": {f.NAME: "noop", f.STATE: TaskState.PENDING.value},
     "list by worker": {f"{f.WORKERS}.{f.WORKER_ID}": "w1"},
 }
-# The dashboard's task list: newest first, paged by (time, key), walked on its own index.
+# The dashboard's task list as the store sends it: newest first, paged by (time, key), dates
+# walked on their sort's index; the undated part (sort value not a date) by its types, by key.
+AT = datetime(2026, 1, 1, tzinfo=UTC)
 DASHBOARD: dict[str, tuple[dict[str, Any], Keys]] = {
-    f"{sort}, {page}": (
-        {}
-        if page == "first page"
-        else {sort: {"$lte": "t"}, "$or": [{sort: {"$lt": "t"}}, {f.KEY: {"$lt": "k"}}]},
-        [(sort, -1), (f.KEY, -1)],
-    )
+    f"{sort}, {page}": (query, [(sort, -1), (f.KEY, -1)])
     for sort in (f.CREATED_AT, f.UPDATED_AT)
-    for page in ("first page", "next page")
+    for page, after in (("first page", None), ("next page", (AT, "k")))
+    if (query := _listing_queries(Listing(sort=sort, after=after))[0]) is not None
+}
+UNDATED: dict[str, dict[str, Any]] = {
+    f"{sort}, {page}": _listing_queries(Listing(sort=sort, after=after))[1]
+    for sort in (f.CREATED_AT, f.UPDATED_AT)
+    for page, after in (("first page", None), ("next page", (None, "k")))
 }
 
 
 def test_bounds_follow_the_planners_rules() -> None:
     """Points, ranges, complements and types bound; ``$expr``, ``$or`` and a negated ``$type`` do not."""
-    assert bounds(claim_query()) == {f.STATE: "point", f.CLAIMABLE_AT: "type", f.NAME: "point"}
+    assert bounds(claim_query()) == {f.STATE: "point", f.CLAIMABLE_AT: "whole", f.NAME: "point"}
     assert bounds(x.entry_filter("k", "r")) == {
         f.KEY: "point",
         f"{f.WORKERS}.{f.RUN_ID}": "point",
@@ -303,10 +316,11 @@ def test_dashboard_list_walks_its_sort_index(label: str) -> None:
     assert list(serving(TASK_INDEXES, query, sort)) == [sort[0][0].split("_")[0]]
 
 
-@pytest.mark.parametrize("sort", [f.CREATED_AT, f.UPDATED_AT])
-def test_the_stores_listing_pages_use_their_sort_index(sort: str) -> None:
-    """``_listing_query`` as the store sends it, past the first page, is served by its sort's index."""
-    from datetime import UTC, datetime
-
-    query = _listing_query(Listing(sort=sort, after=(datetime(2026, 1, 1, tzinfo=UTC), "k")))
-    assert sort.split("_")[0] in serving(TASK_INDEXES, query, [(sort, -1), (f.KEY, -1)])
+@pytest.mark.parametrize("label", list(UNDATED))
+def test_the_undated_part_of_a_listing_is_bounded_by_its_types(label: str) -> None:
+    """The listing's part whose sort value is not a date: each clause of its ``$or`` is
+    bounded by the sort's index (null, empty, or a type other than date), never a walk."""
+    query = UNDATED[label]
+    rest = {field: predicate for field, predicate in query.items() if field != "$or"}
+    index = label.split("_")[0]
+    assert all(serving(TASK_INDEXES, rest | clause, []).get(index) == "bounds" for clause in query["$or"])

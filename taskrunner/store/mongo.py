@@ -56,6 +56,7 @@ from taskrunner.store.base import (
     Claimed,
     EventKind,
     Failure,
+    Listed,
     Listing,
     Page,
     RunResult,
@@ -326,11 +327,18 @@ class MongoStore:
         with mapped_errors():
             return await self.collection.count_documents(self._query(state, name))
 
-    async def browse(self, listing: Listing) -> list[Task]:
+    async def browse(self, listing: Listing) -> Listed:
         order = [(listing.sort, -1), (f.KEY, -1)]
+        dated, undated = _listing_queries(listing)
+        found: list[Doc] = []
         with mapped_errors():
-            found = await self._raw.find(_listing_query(listing)).sort(order).limit(listing.limit).to_list()
-        return [self._task(_decode(doc)) for doc in found]
+            if dated is not None:
+                cursor = self._raw.find(dated).sort(order).limit(listing.limit)
+                found = list(map(_decode, await cursor.to_list()))
+            if len(found) < listing.limit:  # the dates are done: the rest, by key
+                cursor = self._raw.find(undated).sort(f.KEY, -1).limit(listing.limit - len(found))
+                found += map(_decode, await cursor.to_list())
+        return listed(found, listing)
 
     @staticmethod
     def _query(state: TaskState | None, name: str | None) -> Doc:
@@ -846,17 +854,37 @@ class MongoStore:
         return Task.read(doc, created=created)
 
 
-def _listing_query(listing: Listing) -> Doc:
+def _listing_queries(listing: Listing) -> tuple[Doc | None, Doc]:
+    """A listing's two parts: documents whose sort value is a date, newest first through
+    the sort's index (None once ``after`` is past them), then the others, by key. On
+    MongoDB a range on a date only matches dates (type bracketing), so the others need
+    their own query: bounded by their types, as a negated ``$type`` gives no index bounds."""
     query = MongoStore._query(listing.state, listing.name)
     if listing.worker_id is not None:
         query[f"{f.WORKERS}.{f.WORKER_ID}"] = listing.worker_id
     if listing.key_prefix:
         query[f.KEY] = {"$regex": "^" + re.escape(listing.key_prefix)}  # anchored: walks the key index
-    if listing.after is not None:
-        at, key = listing.after
-        query[listing.sort] = {"$lte": at}  # bounds the index scan; the $or breaks ties by key
-        query["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
-    return query
+    not_dates = [{listing.sort: {"$in": [None, []]}}, {listing.sort: {"$type": x.NOT_DATES}}]
+    undated = {**query, "$or": not_dates}
+    if listing.after is None:
+        return {**query, listing.sort: {"$type": "date"}}, undated
+    at, key = listing.after
+    if at is None:
+        undated[f.KEY] = {**query.get(f.KEY, {}), "$lt": key}
+        return None, undated
+    # The range bounds the index scan; the $or breaks ties by key.
+    dated = {**query, listing.sort: {"$type": "date", "$lte": at}}
+    dated["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
+    return dated, undated
+
+
+def listed(docs: list[Doc], listing: Listing) -> Listed:
+    """A page of ``listing`` from its documents in order, with the position after the last."""
+    tasks = [Task.read(doc) for doc in docs]
+    if len(docs) < listing.limit or not docs:
+        return Listed(tasks, None)
+    at = docs[-1].get(listing.sort)
+    return Listed(tasks, (at if isinstance(at, datetime) else None, tasks[-1].key))
 
 
 class _MongoChangeStream:
