@@ -324,3 +324,16 @@ def test_the_undated_part_of_a_listing_is_bounded_by_its_types(label: str) -> No
     rest = {field: predicate for field, predicate in query.items() if field != "$or"}
     index = label.split("_")[0]
     assert all(serving(TASK_INDEXES, rest | clause, []).get(index) == "bounds" for clause in query["$or"])
+
+
+def test_stats_read_each_part_through_an_index() -> None:
+    """``stats`` has no ``$facet`` (its sub-pipelines read no index): the counts walk
+    ``name_state`` in order, the oldest PENDING and the last hour's runs are bounded."""
+    pipeline = x.stats_pipeline("tasks", AT)
+    assert not any("$facet" in stage for stage in pipeline)
+    assert serving(TASK_INDEXES, {}, list(pipeline[0]["$sort"].items())) == {"name_state": "walk"}
+    parts = [stage["$unionWith"]["pipeline"] for stage in pipeline if "$unionWith" in stage]
+    assert [serving(TASK_INDEXES, part[0]["$match"], []) for part in parts] == [
+        {"claim": "bounds"},
+        {"updated": "bounds"},
+    ]

@@ -684,6 +684,57 @@ async def test_due_finds_unsettled_documents_by_positive_types(store: Store, raw
     assert found == sorted(expected)
 
 
+async def test_stats_count_by_name_and_state_and_the_last_hours_runs(store: Store, raw_insert: Raw) -> None:
+    """Counts by name and state; runs that ended within the last hour (server time), not
+    before; the oldest PENDING task by its created_at date (one that is not a date ignored)."""
+    now = await store.server_time()
+    ago = {m: now - timedelta(minutes=m) for m in (10, 30, 120)}
+
+    def entry(state: str, finished: datetime) -> dict[str, Any]:
+        return {
+            "worker_id": "w",
+            "run_id": f"r{state}{finished.minute}",
+            "state": state,
+            "finished_at": finished,
+        }
+
+    base = {"name": "job", "params": {}, "priority": 0, "failures": 0, "attempts": 1, "run_at": ago[120]}
+    await raw_insert(
+        {
+            **base,
+            "key": "old",
+            "state": "SUCCESS",
+            "created_at": ago[120],
+            "updated_at": ago[120],
+            "workers": [entry("SUCCESS", ago[120])],
+        }
+    )
+    runs = [entry("FAIL", ago[30]), entry("SUCCESS", ago[10])]
+    await raw_insert(
+        {
+            **base,
+            "key": "new",
+            "state": "SUCCESS",
+            "created_at": ago[30],
+            "updated_at": ago[10],
+            "workers": runs,
+        }
+    )
+    await raw_insert(
+        {**base, "key": "p1", "state": "PENDING", "created_at": ago[30], "updated_at": ago[30], "workers": []}
+    )
+    await raw_insert(
+        {**base, "key": "p2", "state": "PENDING", "created_at": "yesterday", "updated_at": ago[30]}
+    )
+    await raw_insert(
+        {**base, "key": "other", "name": "mail", "state": "CANCELED", "created_at": now, "updated_at": now}
+    )
+    stats = await store.stats()
+    assert stats.counts == {"job": {"SUCCESS": 2, "PENDING": 2}, "mail": {"CANCELED": 1}}
+    assert (stats.finished_last_hour, stats.failed_last_hour, stats.running) == (2, 1, 0)
+    assert stats.oldest_pending_seconds is not None and 1790 < stats.oldest_pending_seconds < 1900
+
+
 async def test_memory_watch_reports_lost_history() -> None:
     """Resuming from a token older than the kept history raises ChangeHistoryLost."""
     store = MemoryStore(history=2)

@@ -607,36 +607,58 @@ def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
     }
 
 
-def stats_pipeline() -> list[Expr]:
-    """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
-    hour_ago = {"$subtract": [NOW, 3_600_000]}
+STATS_BY = "by"
+STATS_OLDEST = "oldest"
+STATS_RECENT = "recent"
+
+
+def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
+    """Counts by name and state, the oldest PENDING task's creation, and the last hour's run
+    outcomes, as one aggregate whose parts each read an index (a ``$facet`` would scan the
+    collection: its sub-pipelines cannot use indexes). Each row has ``_id.part``:
+
+    * counts: the ``name_state`` index walked in order, covered (no document is read);
+    * oldest pending: PENDING keys of the ``claim`` index, covered (it holds created_at);
+    * recent: tasks written since ``hour_ago`` (server time) through the ``updated`` index,
+      since every write that ends a run stamps ``updated_at`` with the run's ``finished_at``.
+    """
     entry_state = f.ref(f"{f.WORKERS}.{f.STATE}")  # after $unwind: one entry per document
     outcomes = [EntryState.SUCCESS.value, EntryState.FAIL.value]
-    recent = {
-        "$and": [
-            {"$in": [entry_state, outcomes]},
-            {"$gte": [f.ref(f"{f.WORKERS}.{f.FINISHED_AT}"), hour_ago]},
-        ]
-    }
-    return [
+    is_date = {"$eq": [{"$type": f.ref(f.CREATED_AT)}, "date"]}
+    counts = [
+        {"$sort": {f.NAME: 1, f.STATE: 1}},
         {
-            "$facet": {
-                "by": [
-                    {"$group": {"_id": {f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)}, "n": {"$sum": 1}}}
-                ],
-                "oldest": [
-                    {"$match": {f.STATE: TaskState.PENDING.value}},
-                    {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}},
-                ],
-                "recent": [
-                    {"$match": {f.WORKERS: {"$type": "array"}}},
-                    {"$unwind": f.ref(f.WORKERS)},
-                    {"$match": {"$expr": recent}},
-                    {"$group": {"_id": entry_state, "n": {"$sum": 1}}},
-                ],
+            "$group": {
+                "_id": {"part": STATS_BY, f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)},
+                "n": {"$sum": 1},
             }
         },
-        {"$addFields": {"now": NOW}},
+    ]
+    oldest = [
+        {"$match": {f.STATE: TaskState.PENDING.value}},
+        # $min skips nulls: a created_at that is not a date (written by hand) is left out.
+        {
+            "$group": {
+                "_id": {"part": STATS_OLDEST},
+                "n": {"$min": {"$cond": [is_date, f.ref(f.CREATED_AT), None]}},
+            }
+        },
+    ]
+    recent = [
+        {"$match": {f.UPDATED_AT: {"$gte": hour_ago}}},
+        {"$unwind": f.ref(f.WORKERS)},  # a non-array workers: kept as is, then filtered out
+        {
+            "$match": {
+                f"{f.WORKERS}.{f.STATE}": {"$in": outcomes},
+                f"{f.WORKERS}.{f.FINISHED_AT}": {"$gte": hour_ago},
+            }
+        },
+        {"$group": {"_id": {"part": STATS_RECENT, f.STATE: entry_state}, "n": {"$sum": 1}}},
+    ]
+    return [
+        *counts,
+        {"$unionWith": {"coll": collection, "pipeline": oldest}},
+        {"$unionWith": {"coll": collection, "pipeline": recent}},
     ]
 
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import bson
@@ -608,19 +608,25 @@ class MongoStore:
             return (await self.collection.delete_many(query)).deleted_count
 
     async def stats(self) -> TaskStats:
+        now = await self.server_time()
+        pipeline = x.stats_pipeline(self.collection.name, now - timedelta(hours=1))
         with mapped_errors():
-            [doc] = await (await self.collection.aggregate(x.stats_pipeline())).to_list()
+            rows = await (await self.collection.aggregate(pipeline)).to_list()
         counts: dict[str, dict[str, int]] = {}
-        for row in doc["by"]:
-            counts.setdefault(str(row["_id"].get(f.NAME)), {})[str(row["_id"].get(f.STATE))] = row["n"]
-        oldest = doc["oldest"][0]["oldest"] if doc["oldest"] else None
-        recent = {row["_id"]: row["n"] for row in doc["recent"]}
+        recent: dict[str, int] = {}
+        oldest: Any = None
+        for row in rows:
+            part = row["_id"]
+            if part["part"] == x.STATS_BY:
+                counts.setdefault(str(part.get(f.NAME)), {})[str(part.get(f.STATE))] = row["n"]
+            elif part["part"] == x.STATS_RECENT:
+                recent[str(part.get(f.STATE))] = row["n"]
+            else:
+                oldest = row["n"]
         return TaskStats(
             counts=counts,
             running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
-            oldest_pending_seconds=(doc["now"] - oldest).total_seconds()
-            if isinstance(oldest, datetime)
-            else None,
+            oldest_pending_seconds=(now - oldest).total_seconds() if isinstance(oldest, datetime) else None,
             finished_last_hour=recent.get(EntryState.SUCCESS.value, 0) + recent.get(EntryState.FAIL.value, 0),
             failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
