@@ -183,11 +183,8 @@ LIVE = {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": 
 HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "claim by key": (TASK_INDEXES, claim_query("k"), CLAIM_SORT),
     "batched claim": (TASK_INDEXES, claim_query() | {f.KEY: {"$in": ["a", "b"]}}, []),
-    "batched claim read-back": (
-        TASK_INDEXES,
-        {f.KEY: {"$in": ["a"]}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": ["r"]}},
-        [],
-    ),
+    "claim read-back and recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], ["a"]), []),
+    "keyless claim recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], None), []),
     "ping/finish fence": (TASK_INDEXES, x.entry_filter("k", "run"), []),
     "shared renewal": (TASK_INDEXES, x.renewal_filter("k", "run", "w1"), []),
     "renewal read-back": (TASK_INDEXES, {f.KEY: {"$in": ["a", "b"]}}, []),

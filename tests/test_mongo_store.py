@@ -4,21 +4,29 @@ shapes of the queries it sends."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from faults.proxy import FaultProxy
 from pymongo import ReadPreference, monitoring
+from pymongo import errors as pe
 from scratch import STORE_DATABASE
+from structlog.testing import capture_logs
 
-from taskrunner import MalformedTask, TaskRunner, TaskState
+from taskrunner import MalformedTask, TaskContext, TaskRunner, TaskState
+from taskrunner import fields as f
 from taskrunner.dashboard import pages
+from taskrunner.errors import ClaimUnconfirmed
 from taskrunner.models import NewTask
 from taskrunner.store.base import Listing
 from taskrunner.store.mongo import MongoStore
+from taskrunner.testing import wait_for
+from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo
 
@@ -165,3 +173,131 @@ async def test_a_string_that_is_not_utf8_never_stops_a_reader(
     marked = await through.normalize("odd")
     assert marked.state is TaskState.FAIL and marked.error is not None
     assert "does not decode as BSON" in marked.error.message
+
+
+# -- claims whose reply was lost --------------------------------------------------------------
+class LostReplies:
+    """Wraps a store's raw task collection: the next ``writes`` claims (an ``update_many``
+    or a ``find_one_and_update`` on the claim filter) are applied and then fail as a
+    connection closed before the reply would; the next ``reads`` finds fail likewise."""
+
+    def __init__(
+        self, store: MongoStore, monkeypatch: pytest.MonkeyPatch, writes: int, reads: int = 0
+    ) -> None:
+        self.writes, self.reads, self.lost = writes, reads, 0
+        raw = store._raw
+        for name in ("update_many", "find_one_and_update"):
+            monkeypatch.setattr(raw, name, self._write(getattr(raw, name)))
+        monkeypatch.setattr(raw, "find", self._find(raw.find))
+
+    def _write(self, method: Any) -> Any:
+        async def write(query: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            result = await method(query, *args, **kwargs)
+            if f.CLAIMABLE_AT in query and self.writes > 0:  # a claim filter
+                self.writes -= 1
+                self.lost += 1
+                raise pe.AutoReconnect("connection closed before the reply (injected)")
+            return result
+
+        return write
+
+    def _find(self, method: Any) -> Any:
+        def find(*args: Any, **kwargs: Any) -> Any:
+            if self.reads > 0:
+                self.reads -= 1
+                raise pe.AutoReconnect("connection closed (injected)")
+            return method(*args, **kwargs)
+
+        return find
+
+
+@pytest.fixture
+async def store(mongo_uri: str, collection_name: str) -> AsyncIterator[MongoStore]:
+    mongo = MongoStore.connect(mongo_uri, database=STORE_DATABASE, collection=collection_name)
+    await mongo.init()
+    yield mongo
+    await mongo.close()
+
+
+def new(*keys: str, **options: Any) -> list[NewTask]:
+    return [NewTask.build(key=key, name="job", options=options) for key in keys]
+
+
+async def test_a_batched_claim_whose_reply_was_lost_returns_what_landed(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``update_many`` is not a retryable write: after a transport error the claims that
+    landed are read back by their run ids and returned, each task claimed once."""
+    await store.publish(new("a", "b", "c"))
+    faults = LostReplies(store, monkeypatch, writes=1)
+    claimed = await store.claim_many("w1", ["a", "b", "c"])
+    assert faults.lost == 1 and sorted(c.task.key for c in claimed.claims) == ["a", "b", "c"]
+    for claim in claimed.claims:
+        assert [w.run_id for w in claim.task.workers] == [claim.run_id]
+
+
+async def test_a_single_claim_whose_reply_was_lost_returns_what_landed(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A findAndModify whose reply (and the driver's retry) was lost: the claim is read back."""
+    await store.publish(new("a"))
+    faults = LostReplies(store, monkeypatch, writes=1)
+    claim = await store.claim("w1", key="a", fresh=True)
+    assert faults.lost == 1 and claim is not None and claim.task.key == "a"
+    assert [w.run_id for w in claim.task.workers] == [claim.run_id]
+
+
+async def test_when_the_read_back_fails_too_the_claim_is_recovered_later(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the claim's reply and its read-back lost: ``ClaimUnconfirmed`` carries the run
+    ids and keys, with which ``recover`` later finds exactly what landed."""
+    await store.publish(new("a", "b"))
+    LostReplies(store, monkeypatch, writes=1, reads=1)
+    with pytest.raises(ClaimUnconfirmed) as raised:
+        await store.claim_many("w1", ["a", "b"])
+    assert sorted(raised.value.keys or []) == ["a", "b"] and len(raised.value.run_ids) == 2
+    recovered = await store.recover("w1", raised.value.run_ids, keys=raised.value.keys)
+    assert sorted(c.task.key for c in recovered.claims) == ["a", "b"]
+    assert {c.run_id for c in recovered.claims} == set(raised.value.run_ids)
+    assert (await store.recover("w2", raised.value.run_ids)).claims == []  # another worker's ids
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+async def test_a_worker_runs_claims_whose_reply_was_lost_without_spending_budget(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """A worker whose claims' replies and read-backs are lost runs every task once, all
+    SUCCESS with no failure counted (``max_failures=1``: one orphaned lease would have
+    failed the task with LeaseExpired without it ever running)."""
+    await store.publish(new(*(f"t{i}" for i in range(6)), max_failures=1, ping_interval=0.2, ping_timeout=1))
+    runner, ran = TaskRunner(store=store), Counter[str]()
+
+    @runner.task("job")
+    async def job(params: dict[str, Any], ctx: TaskContext) -> None:
+        ran[ctx.key] += 1
+
+    faults = LostReplies(store, monkeypatch, writes=2, reads=1)
+    worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
+
+    async def all_done() -> bool:
+        return await store.count(state=TaskState.SUCCESS) == 6
+
+    with capture_logs() as logs:
+        await run_worker_until(worker, all_done)
+    assert faults.lost == 2 and ran == {f"t{i}": 1 for i in range(6)}
+    assert "claims recovered after a lost reply" in [e["event"] for e in logs]
+    tasks = await store.find()
+    assert [(t.failures, t.attempts, len(t.workers)) for t in tasks] == [(0, 1, 1)] * 6
+
+
+async def run_worker_until(
+    worker: Worker, condition: Callable[[], Awaitable[bool]], within: float = 30.0
+) -> None:
+    """Run the worker until ``condition()`` holds, then stop it and wait for it to exit."""
+    running = asyncio.create_task(worker.run())
+    try:
+        await wait_for(condition, within, "the worker to get there", interval=0.05)
+    finally:
+        worker.stop()
+        await running

@@ -285,6 +285,16 @@ class Store(Protocol):
         ``worker_id``, in at most two round trips (an update and a read back); ``fresh``
         and ``window`` as for ``claim``."""
 
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
+        """The claims among ``run_ids`` that landed for ``worker_id`` and still hold their
+        RUNNING entry, read through the key index (``keys``) or, for a claim without a key,
+        the worker index. A claim whose reply was lost (a network error after the server
+        applied it) is found so, and run or released: its lease never expires unowned, so
+        the fault spends no failure budget. ``claim`` and ``claim_many`` recover at once;
+        when that read fails too they raise ``ClaimUnconfirmed`` for a later ``recover``."""
+
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         """Apply many runs' fenced writes in one round trip; one result per write.
 

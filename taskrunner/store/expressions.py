@@ -257,6 +257,17 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     ]
 
 
+def claims_filter(worker_id: str, run_ids: Sequence[str], keys: Sequence[str] | None) -> dict[str, Any]:
+    """Tasks where a claim of ``worker_id`` under one of ``run_ids`` holds its RUNNING entry
+    (``rules.running_entry``): through the key index when the claim named ``keys``, else
+    through the worker index (``workers.worker_id``)."""
+    running = {f.WORKER_ID: worker_id, f.RUN_ID: {"$in": list(run_ids)}, f.STATE: EntryState.RUNNING.value}
+    found: dict[str, Any] = {f.WORKERS: {"$elemMatch": running}}
+    if keys is not None:
+        found[f.KEY] = {"$in": list(keys)}
+    return found
+
+
 def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     """The run_id paired with the document's key: one update claims many tasks, each
     under its own fencing token."""

@@ -289,6 +289,23 @@ class MemoryStore:
                 claims.append(claim)
         return Claimed(claims, rejected)
 
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
+        claimed = Claimed([], [])
+        docs = (
+            self._docs.values() if keys is None else [d for k in keys if (d := self._docs.get(k)) is not None]
+        )
+        for doc in docs:
+            entry = next((e for r in run_ids if (e := rules.running_entry(doc, r)) is not None), None)
+            if entry is None or entry.get(f.WORKER_ID) != worker_id:
+                continue
+            try:
+                claimed.claims.append(Claim(Task.from_document(_clone(doc)), entry[f.RUN_ID]))
+            except MalformedTask as exc:
+                claimed.rejected.append(exc)
+        return claimed
+
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         return [self._write_run(w) for w in writes]
 

@@ -30,6 +30,7 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamsUnsupported,
     ClaimLost,
+    ClaimUnconfirmed,
     DuplicateKey,
     InvalidSchedule,
     InvalidState,
@@ -385,12 +386,19 @@ class MongoStore:
         # general one when it misses: a miss means the task changed, and the caller looks again.
         query = x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
-        with mapped_errors():
-            doc = _decoded(
-                await self._raw.find_one_and_update(
-                    {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+        keys = None if key is None else [key]
+        try:
+            with mapped_errors():
+                doc = _decoded(
+                    await self._raw.find_one_and_update(
+                        {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+                    )
                 )
-            )
+        except StoreUnavailable as exc:  # it may have landed, even after the driver's retry
+            claimed = await self._recover_now(worker_id, [run_id], keys, exc)
+            if claimed.rejected:
+                raise claimed.rejected[0] from exc
+            return claimed.claims[0] if claimed.claims else None
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
@@ -420,22 +428,48 @@ class MongoStore:
         if window is not None:
             query["$and"] = [x.window_filter(*window)]
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
+        if not keys:
+            return Claimed([], [])
+        try:
+            with mapped_errors():
+                # update_many is not a retryable write: a lost reply is recovered below.
+                if (await self._raw.update_many(query, update)).modified_count == 0:
+                    return Claimed([], [])
+        except StoreUnavailable as exc:
+            return await self._recover_now(worker_id, run_ids, keys, exc)
+        try:
+            return await self.recover(worker_id, run_ids, keys=keys)
+        except StoreUnavailable as exc:
+            raise ClaimUnconfirmed(str(exc), run_ids, keys) from exc
+
+    async def _recover_now(
+        self, worker_id: str, run_ids: list[str], keys: list[str] | None, exc: StoreUnavailable
+    ) -> Claimed:
+        """After a claim's transport error: what landed, read at once (a lost reply closes
+        one connection, not the server); ``ClaimUnconfirmed`` when that fails too."""
+        try:
+            return await self.recover(worker_id, run_ids, keys=keys)
+        except StoreUnavailable as again:
+            raise ClaimUnconfirmed(str(exc), run_ids, keys) from again
+
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
         with mapped_errors():
-            if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
-                return Claimed([], [])
-            mine = {f.KEY: {"$in": keys}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": run_ids}}
-            docs = list(map(_decode, await self._raw.find(mine).to_list()))
-        token = dict(zip(keys, run_ids, strict=True))
+            found = await self._raw.find(x.claims_filter(worker_id, run_ids, keys)).to_list()
+        docs = list(map(_decode, found))
+        wanted = set(run_ids)
         claimed = Claimed([], [])
         for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
+            run_id = next(w[f.RUN_ID] for w in doc[f.WORKERS] if w.get(f.RUN_ID) in wanted)
             try:
-                claimed.claims.append(Claim(Task.from_document(doc), token[doc[f.KEY]]))
+                claimed.claims.append(Claim(Task.from_document(doc), run_id))
             except MalformedTask as exc:
                 claimed.rejected.append(exc)
                 # Not recorded now? Its lease expires and a later claim counts the failure;
                 # the other claims of this batch must not be lost over it.
                 with suppress(StoreError):
-                    await self._reject(doc[f.ID], token[doc[f.KEY]], exc)
+                    await self._reject(doc[f.ID], run_id, exc)
         return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
