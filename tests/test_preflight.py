@@ -250,6 +250,9 @@ class FakeClient:
     def get_database(self, name: str, **options: Any) -> Any:
         return self[name]
 
+    def get_collection(self, name: str, **options: Any) -> Any:
+        return self.collection
+
 
 @pytest.mark.parametrize("streams", [False, True])
 async def test_mongo_store_asks_for_a_stream_only_when_hello_says_standalone(streams: bool) -> None:
