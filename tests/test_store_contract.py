@@ -852,6 +852,21 @@ async def test_claim_many_claims_each_eligible_key_under_its_own_run_id(store: S
     assert (await store.claim_many("w3", ["b0", "b1"])).claims == []
 
 
+async def test_recover_finds_the_claims_that_still_hold_their_entry(store: Store) -> None:
+    """``recover`` returns this worker's claims among the run ids, by key or without keys,
+    and not a claim given back, another worker's, or one of a key not asked for."""
+    await publish(store, task("a"), task("b"), task("c"))
+    claimed = await store.claim_many("w1", ["a", "b", "c"])
+    run_ids = {c.task.key: c.run_id for c in claimed.claims}
+    await store.release("c", run_ids["c"])
+    by_key = await store.recover("w1", list(run_ids.values()), keys=["a", "b", "c"])
+    assert sorted((c.task.key, c.run_id) for c in by_key.claims) == [("a", run_ids["a"]), ("b", run_ids["b"])]
+    keyless = await store.recover("w1", [run_ids["b"]])
+    assert [(c.task.key, c.run_id) for c in keyless.claims] == [("b", run_ids["b"])]
+    assert (await store.recover("w2", list(run_ids.values()))).claims == []
+    assert (await store.recover("w1", list(run_ids.values()), keys=["c"])).claims == []
+
+
 async def test_claim_many_records_a_malformed_document_as_its_failure(store: Store, raw_insert: Raw) -> None:
     """A claimable but unreadable document is rejected (not returned) and cannot loop."""
     await publish(store, task("fine"))
