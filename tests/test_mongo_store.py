@@ -23,8 +23,9 @@ from taskrunner import fields as f
 from taskrunner.dashboard import pages
 from taskrunner.errors import ClaimUnconfirmed
 from taskrunner.models import NewTask
+from taskrunner.store import expressions as x
 from taskrunner.store.base import Listing
-from taskrunner.store.mongo import MongoStore
+from taskrunner.store.mongo import MongoStore, _listing_queries
 from taskrunner.testing import wait_for
 from taskrunner.worker import Worker
 
@@ -301,3 +302,26 @@ async def run_worker_until(
     finally:
         worker.stop()
         await running
+
+
+# -- the listing's queries ------------------------------------------------------------------
+def test_listing_queries_page_dates_by_range_and_the_rest_by_key() -> None:
+    """The shapes MongoDB's type bracketing needs (the embedded server matched ``$lte`` on a
+    date loosely, so its results alone could not show this): past the first page the dated
+    query is a range on dates only, the rest has a query of its own, by key after an undated
+    position, and an undated position never asks for dates again."""
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    not_dates = [{f.CREATED_AT: {"$in": [None, []]}}, {f.CREATED_AT: {"$type": x.NOT_DATES}}]
+    first, rest = _listing_queries(Listing(key_prefix="b"))
+    assert first == {f.KEY: {"$regex": "^b"}, f.CREATED_AT: {"$type": "date"}}
+    assert rest == {f.KEY: {"$regex": "^b"}, "$or": not_dates}
+    dated, rest = _listing_queries(Listing(after=(at, "k")))
+    assert dated == {
+        f.CREATED_AT: {"$type": "date", "$lte": at},
+        "$or": [{f.CREATED_AT: {"$lt": at}}, {f.KEY: {"$lt": "k"}}],
+    }
+    assert rest == {"$or": not_dates}
+    assert _listing_queries(Listing(after=(None, "k"), key_prefix="b")) == (
+        None,
+        {f.KEY: {"$regex": "^b", "$lt": "k"}, "$or": not_dates},
+    )
