@@ -153,6 +153,16 @@ class StoreUnavailable(StoreError):
     """The database could not be reached in time; the operation may be retried."""
 
 
+class ClaimUnconfirmed(StoreUnavailable):
+    """A claim met a transport error after it was sent, so it may have landed, and reading
+    back what it claimed failed too: ``Store.recover(worker_id, run_ids, keys=keys)`` finds
+    what landed (``keys`` None: a claim without a key)."""
+
+    def __init__(self, message: str, run_ids: list[str], keys: list[str] | None) -> None:
+        self.run_ids, self.keys = run_ids, keys
+        super().__init__(message)
+
+
 class WriteRejected(StoreError):
     """The database refused a write (validator, document too large, ...)."""
 

@@ -50,6 +50,9 @@ PUBLISH_ID: Final = "publish_id"
 FATAL: Final = "fatal"
 SNOOZES: Final = "snoozes"
 BUCKET: Final = "bucket"
+UNDECODABLE: Final = "\0undecodable"
+"""Never stored: the store sets it on a document read back that did not decode as BSON,
+with the reason, so that the document reads as a malformed task."""
 BUCKETS: Final = 1024
 """Tasks spread over this many buckets; each worker's change stream hears the inserts of
 the buckets it owns (rendezvous hashing over the live workers), so an insert reaches one

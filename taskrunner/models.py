@@ -256,7 +256,10 @@ unfinished task without a ``claimable_at`` date."""
 
 
 def _unserved(doc: dict[str, Any]) -> tuple[str, str] | None:
-    """The first field the server needs that ``doc`` lacks or holds as a string."""
+    """The first field the server needs that ``doc`` lacks or holds as a string (or why the
+    store could not decode it)."""
+    if isinstance(undecodable := doc.get(f.UNDECODABLE), str):
+        return "", undecodable
     options = doc.get(f.OPTIONS)
     found = (
         {f.opt(name): options.get(name, _MISSING) for name in SERVER_OPTIONS}

@@ -1,11 +1,13 @@
 """The start-up check: can taskrunner run on this MongoDB server, as this user?
 
-``TaskRunner.init`` and a starting worker read three replies (``hello``: replica set,
-sharded cluster or standalone; ``buildInfo``: the version; ``connectionStatus`` with
-``showPrivileges``: what the connection's user may do) and say in one line each what
-will not work and what taskrunner does instead, rather than failing later:
+``TaskRunner.init`` and a starting worker read three replies (``buildInfo``: the version,
+asked first since a server too old may not know ``hello``; ``hello``: replica set,
+sharded cluster or standalone; ``connectionStatus`` with ``showPrivileges``: what the
+connection's user may do) and say in one line each what will not work and what
+taskrunner does instead, rather than failing later:
 
-* a server older than ``MINIMUM`` raises ``ServerTooOld`` (its commands would fail);
+* a server older than ``MINIMUM``, or one without ``hello``, raises ``ServerTooOld`` (its
+  commands would fail);
 * a server without change streams (a standalone) means polling;
 * an authenticated user without a privilege taskrunner uses is named with the action and
   the collection; a missing ``changeStream`` also means polling.
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 MINIMUM: Final = (4, 4, 2)
 """The oldest server taskrunner runs on: ``$unionWith`` and ``$isNumber`` are 4.4, the
 ``hello`` command (server time, this check) 4.4.2."""
+MINIMUM_TEXT: Final = ".".join(map(str, MINIMUM))
 WHY_MINIMUM: Final = "$unionWith and $isNumber need 4.4, the hello command 4.4.2"
 LOWEST_TESTED: Final = (6, 0)
 """The oldest server the CI runs the whole suite against (docs/compatibility.md)."""
@@ -136,6 +139,13 @@ def read_server(
     )
 
 
+def too_old(build_info: Mapping[str, Any]) -> bool:
+    """Whether ``buildInfo`` reports a version below ``MINIMUM`` (asked first: such a
+    server may not know ``hello``)."""
+    version = _version(build_info)
+    return bool(version) and version < MINIMUM
+
+
 def _topology(hello: Mapping[str, Any]) -> Topology:
     if hello.get(f.HELLO_MSG) == f.IS_DBGRID:
         return Topology.SHARDED
@@ -199,7 +209,7 @@ def judge(info: ServerInfo, database: str, needs: Needs, *, polling: str) -> Ser
     """Raise ``ServerTooOld`` below ``MINIMUM``; otherwise one warning per problem.
     ``polling`` says what happens without change streams (e.g. "polling every 5 s")."""
     if info.version and info.version < MINIMUM:
-        raise ServerTooOld(info.version_text, ".".join(map(str, MINIMUM)), WHY_MINIMUM)
+        raise ServerTooOld(info.version_text, MINIMUM_TEXT, WHY_MINIMUM)
     warnings: list[str] = []
     if not info.version:
         warnings.append("the server did not report its version (buildInfo); the start-up check cannot tell")

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from bson import DatetimeMS
 from pydantic import ValidationError
 
 from taskrunner import fields as f
@@ -24,6 +25,7 @@ from taskrunner.store.base import RunStatus
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
 ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
+DATES = datetime | DatetimeMS
 PENDING_UNCHANGED = object()  # marks "state not among the changed fields" in ``wakes``
 
 
@@ -418,6 +420,30 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
 STATES = tuple(state.value for state in TaskState)
+BSON_TYPES = (
+    "double",
+    "string",
+    "object",
+    "array",
+    "binData",
+    "undefined",
+    "objectId",
+    "bool",
+    "date",
+    "null",
+    "regex",
+    "dbPointer",
+    "javascript",
+    "symbol",
+    "javascriptWithScope",
+    "int",
+    "timestamp",
+    "long",
+    "decimal",
+    "minKey",
+    "maxKey",
+)
+"""Every BSON type, by its ``$type`` alias (the manual's table, deprecated ones included)."""
 
 # -- documents written by hand or by other languages (docs/schema.md) ------------------------
 MALFORMED = "MalformedTask"
@@ -440,9 +466,19 @@ without ``claimable_at`` becomes claimable at its ``run_at``."""
 def unsettled(doc: Doc) -> bool:
     """Should a worker's sweep normalize this document? A string key and no valid state,
     or unfinished without a ``claimable_at`` date: nothing else would ever claim it."""
-    state, claimable_at = doc.get(f.STATE), doc.get(f.CLAIMABLE_AT)
-    unfinished = state in ACTIVE and not isinstance(claimable_at, datetime)
+    state = doc.get(f.STATE)
+    unfinished = state in ACTIVE and dateless(doc.get(f.CLAIMABLE_AT))
     return isinstance(doc.get(f.KEY), str) and (state not in STATES or unfinished)
+
+
+def dateless(value: Any) -> bool:
+    """Not a date, as MongoDB's ``{$in: [null, []]}`` or ``{$type: <every type but date
+    and array>}`` judge a field: an array by its elements (one that is null, empty or of
+    another type than date), so ``[date]`` has a date; a nested array is not looked into.
+    A date out of Python's range (``DatetimeMS``, as MongoStore reads it) is a date."""
+    if not isinstance(value, list):
+        return not isinstance(value, DATES)
+    return value == [] or any(v is None or v == [] or not isinstance(v, DATES | list) for v in value)
 
 
 def normalization(doc: Doc, now: Any) -> Doc:

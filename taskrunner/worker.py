@@ -37,7 +37,14 @@ import structlog
 from taskrunner import __version__, preflight, rules
 from taskrunner.claimqueue import ClaimQueue, Due
 from taskrunner.discovery import Discovery
-from taskrunner.errors import ConfigurationError, MalformedTask, ServerTooOld, StoreError, TaskRunnerError
+from taskrunner.errors import (
+    ClaimUnconfirmed,
+    ConfigurationError,
+    MalformedTask,
+    ServerTooOld,
+    StoreError,
+    TaskRunnerError,
+)
 from taskrunner.execution import Execution
 from taskrunner.fields import BUCKETS
 from taskrunner.gatekeeper import GateKeeper
@@ -155,6 +162,7 @@ class Worker:
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(self.concurrency)
         self._misses: dict[str, int] = {}
+        self._unconfirmed: list[ClaimUnconfirmed] = []  # claims whose reply was lost, to recover
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="taskrunner-handler")
         self._drain_seen: set[str] = set()
         self._parts(options.discovery == "poll")
@@ -475,6 +483,8 @@ class Worker:
         # By key, the best due entry: the server then touches one document through the
         # unique key index instead of sorting every claimable task on each claim, and
         # rendezvous ranks already spread a burst of events over the workers.
+        if self._unconfirmed:
+            return await self._confirm(1)
         key = None if due[0].key == KEYLESS else due[0].key
         try:
             claim = await self.store.claim(
@@ -484,6 +494,7 @@ class Worker:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(exc))
             return []
         except StoreError as exc:
+            self._lost(exc)
             await asyncio.sleep(self._claims.failed(exc))
             return []
         self._claims.ok()
@@ -503,7 +514,10 @@ class Worker:
         self, due: list[Due], names: list[str], window: Window | None = None
     ) -> Claimed | None:
         """Claim these keys, each on its own, in one update (one command for a single key);
-        None when the server failed, and then the claims may have landed."""
+        None when the server failed, and then the claims may have landed. Claims of an
+        earlier call whose reply was lost are recovered first, instead."""
+        if self._unconfirmed:
+            return Claimed(await self._confirm(len(due)), [])
         keys, fresh = [d.key for d in due], all(d.fresh for d in due)
         try:
             if len(keys) == 1:
@@ -513,6 +527,7 @@ class Worker:
                     self.worker_id, keys, names=names, fresh=fresh, window=window
                 )
         except StoreError as exc:
+            self._lost(exc)
             await asyncio.sleep(self._claims.failed(exc))
             return None
         self._claims.ok()
@@ -524,6 +539,46 @@ class Worker:
             self._claimed_none(missed)
         self._claimed(claimed.claims)
         return claimed
+
+    def _lost(self, exc: StoreError) -> None:
+        """A claim failed: if it may have landed, its run ids are kept to recover it."""
+        if isinstance(exc, ClaimUnconfirmed):
+            self._unconfirmed.append(exc)
+
+    async def _confirm(self, slots: int) -> list[Claim]:
+        """Find the claims whose reply was lost (``Store.recover``) and run up to ``slots``
+        of them; give the others back without spending budget (as a limited name's, whose
+        permit was already counted as a start). Whatever the fault, the task's failure
+        budget is untouched: no lease of this worker is left to expire unowned."""
+        lost = self._unconfirmed
+        run_ids = [run_id for exc in lost for run_id in exc.run_ids]
+        keyed = all(exc.keys is not None for exc in lost)
+        keys = [key for exc in lost for key in exc.keys or []] if keyed else None
+        try:
+            claimed = await self.store.recover(self.worker_id, run_ids, keys=keys)
+        except StoreError as exc:
+            await asyncio.sleep(self._claims.failed(exc))
+            return []
+        self._claims.ok()
+        self._unconfirmed = []
+        runs: list[Claim] = []
+        back: list[Claim] = []
+        for claim in claimed.claims:
+            gated = self.gates.gate_of(claim.task.name, claim.task.params)
+            (back if gated or len(runs) >= slots or self._stop.is_set() else runs).append(claim)
+        for claim in back:
+            try:
+                await self.store.release(claim.task.key, claim.run_id)
+            except StoreError as exc:
+                self.log.warning("could not give back a recovered claim", key=claim.task.key, error=str(exc))
+        self.log.warning(
+            "claims recovered after a lost reply",
+            running=[c.task.key for c in runs],
+            released=[c.task.key for c in back],
+            unreadable=len(claimed.rejected),
+        )
+        self._claimed(runs + back)
+        return runs
 
     async def _claim_one(self, key: str, names: list[str], fresh: bool, window: Window | None) -> Claimed:
         """``claim_many`` of one key, as the single findAndModify ``claim`` is."""

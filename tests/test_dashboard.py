@@ -19,10 +19,11 @@ from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
 from taskrunner.dashboard.snapshots import Snapshots
 from taskrunner.errors import StoreError
-from taskrunner.models import Task, TaskState, WorkerInfo
+from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import Listing, Store
+from taskrunner.store.base import Listed, Listing, Store
 from taskrunner.store.memory import MemoryStore
+from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
 TOKEN = "secret-token"
@@ -221,12 +222,40 @@ async def test_browse_pages_newest_first_on_each_store(store: Store) -> None:
     runner = TaskRunner(store=store)
     await runner.publish_many([{"name": "ok", "key": f"b{i}"} for i in range(5)], allow_unknown=True)
     first = await store.browse(Listing(key_prefix="b", limit=3))
-    last = first[-1]
-    rest = await store.browse(Listing(key_prefix="b", limit=3, after=(last.created_at, last.key)))
-    order = [(t.created_at, t.key) for t in first + rest]
+    assert first.after == (first.tasks[-1].created_at, first.tasks[-1].key)
+    rest = await store.browse(Listing(key_prefix="b", limit=3, after=first.after))
+    assert rest.after is None
+    order = [(t.created_at, t.key) for t in first.tasks + rest.tasks]
     assert order == sorted(order, reverse=True)
     assert sorted(key for _, key in order) == [f"b{i}" for i in range(5)]
-    assert [t.key for t in await store.browse(Listing(sort=f.UPDATED_AT, key_prefix="b4"))] == ["b4"]
+    assert [t.key for t in (await store.browse(Listing(sort=f.UPDATED_AT, key_prefix="b4"))).tasks] == ["b4"]
+
+
+@pytest.mark.parametrize("sort", [f.CREATED_AT, f.UPDATED_AT])
+async def test_browse_pages_past_documents_whose_sort_value_is_not_a_date(store: Store, sort: str) -> None:
+    """Pages of one task each list every document once: dates newest first, then those
+    whose sort value is not a date (missing, null, text, a number) by key descending. On
+    MongoDB a range on a date matches only dates (type bracketing), so a cursor on dates
+    alone dropped those from page 2 on; the embedded server matched them loosely and hid it."""
+    runner = TaskRunner(store=store)
+    await runner.publish_many([{"name": "ok", "key": f"d{i}"} for i in range(3)], allow_unknown=True)
+    odd: dict[str, Any] = {"n-null": None, "n-text": "yesterday", "n-num": 5, "n-missing": ...}
+    for key, value in odd.items():
+        doc = {"key": key, "name": "ok", "state": "PENDING"}
+        doc |= {} if value is ... else {f.CREATED_AT: value, f.UPDATED_AT: value}
+        if isinstance(store, MemoryStore):
+            store.insert_document(doc)
+        else:
+            assert isinstance(store, MongoStore)
+            await store.collection.insert_one(doc)
+    keys: list[str] = []
+    page = await store.browse(Listing(sort=sort, limit=1))
+    while page.after is not None:
+        keys += [t.key for t in page.tasks]
+        assert len(keys) < 10, "the listing does not progress"
+        page = await store.browse(Listing(sort=sort, limit=1, after=page.after))
+    keys += [t.key for t in page.tasks]
+    assert keys == ["d2", "d1", "d0", "n-text", "n-num", "n-null", "n-missing"]
 
 
 async def test_read_only_shows_no_buttons_and_refuses_actions(populated: TaskRunner) -> None:
@@ -448,7 +477,7 @@ async def test_a_page_being_read_renders_a_placeholder_the_script_fills_in() -> 
     release = asyncio.Event()
     browse = store.browse
 
-    async def slow_browse(listing: Listing) -> list[Task]:
+    async def slow_browse(listing: Listing) -> Listed:
         await release.wait()
         return await browse(listing)
 

@@ -1,15 +1,31 @@
 """Every hot-path query the store sends has an index in ``taskrunner.fields`` that serves it.
 
 The embedded server cannot show query plans, so this checks the index definitions
-against the filters and sorts the store builds; ``bench/explain.py`` confirms the
-plans on a real MongoDB. A filter field counts when its predicate can bound an
-index scan (equality, ``$in``, ranges, ``$type``, ``$elemMatch`` sub-fields);
-``$expr`` and ``$or`` parts are ignored since they add no bounds here.
+against the filters and sorts the store builds, by MongoDB's planner rules;
+``bench/explain.py`` confirms the plans on a real MongoDB.
+
+The rules (MongoDB's ``IndexBoundsBuilder`` and the manual's equality-sort-range rule):
+
+* bounds come from top-level predicates (and ``$and`` parts, and ``$elemMatch``
+  sub-fields): equality, ``$eq`` and ``$in`` give points; ``$gt``/``$gte``/``$lt``/``$lte``
+  and an anchored ``$regex`` a value range; ``$type`` the whole range of its types (none
+  for ``"array"``), which selects only where it leaves out the type valid documents hold
+  (a date field's ``$type: "date"`` is the whole index); ``$ne``, ``$nin`` and ``$not`` of
+  an equality the complement of their points, which selects only where the excluded
+  values are the ones valid documents hold;
+* ``$not`` of anything else (``$type``, ``$regex``, ``$elemMatch``), ``$exists``,
+  ``$size``, ``$expr`` and ``$where`` give no bounds, and a ``$or`` gives them only when
+  every clause is served (one index scan per clause);
+* an index serves a filter when its fields, up to the last one the filter names, are all
+  bounded, points first, then the sort's fields in index order (an index walked backwards
+  serves the reversed sort), then ranges; the first field's bounds must select (not the
+  whole index). A query without such bounds can only walk an index in its sort order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 import pytest
 
@@ -17,52 +33,145 @@ from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.models import TaskState
 from taskrunner.store import expressions as x
-from taskrunner.store.mongo import CLAIM_SORT
+from taskrunner.store.base import Listing
+from taskrunner.store.mongo import CLAIM_SORT, _listing_queries
 
 Keys = list[tuple[str, int]]
+Kind = Literal["point", "range", "complement", "type", "whole"]
+Served = Literal["bounds", "walk"]
 ID_INDEX: dict[str, Keys] = {"_id_": [(f.ID, 1)]}
 TASK_INDEXES: dict[str, Keys] = {**ID_INDEX, **{name: keys for name, (keys, _) in f.INDEXES.items()}}
 REGISTRY_INDEXES: dict[str, Keys] = {
     **ID_INDEX,
     **{name: keys for name, (keys, _) in f.REGISTRY_INDEXES.items()},
 }
-BOUNDING = {"$eq", "$in", "$gt", "$gte", "$lt", "$lte", "$type"}
+UNIQUE = {"_id_", *(name for name, (_, options) in f.INDEXES.items() if options.get("unique"))}
+RANGES = {"$gt", "$gte", "$lt", "$lte"}
+STRENGTH: list[Kind] = ["whole", "type", "complement", "range", "point"]
+# The type every valid document holds in a field: a $type of it bounds the whole index.
+USUAL = {f.KEY: "string", f.NAME: "string", f.STATE: "string"} | {
+    field: "date"
+    for field in (f.CREATED_AT, f.UPDATED_AT, f.RUN_AT, f.CLAIMABLE_AT, f.FINISHED_AT, f.EXPIRES_AT)
+}
 LIST_SORT: Keys = [(f.CREATED_AT, 1), (f.ID, 1)]
 
 
-def bounded_fields(query: dict[str, Any]) -> set[str]:
-    """Top-level (and ``$elemMatch``) fields whose predicates can bound an index scan."""
+def _kind(field: str, predicate: Any) -> Kind | None:
+    """The bounds one field's predicate gives an index on that field (None: no bounds)."""
+    if not isinstance(predicate, dict) or not any(str(op).startswith("$") for op in predicate):
+        return "point"  # plain equality (a sub-document compares whole)
+    if "$eq" in predicate or (
+        "$in" in predicate and all(not hasattr(v, "pattern") for v in predicate["$in"])
+    ):
+        return "point"
+    if RANGES & set(predicate) or str(predicate.get("$regex", "")).startswith("^"):
+        return "range"
+    if {"$ne", "$nin"} & set(predicate):
+        return "complement"
+    negated = predicate.get("$not")
+    if isinstance(negated, dict) and set(negated) <= {"$eq", "$in"}:
+        return "complement"
+    types = predicate.get("$type")
+    listed = types if isinstance(types, list) else [types]
+    if types is not None and "array" not in listed:
+        return "whole" if USUAL.get(field) in listed else "type"
+    return None  # $not of $type/$regex/$elemMatch, $exists, $size, $all, ...
+
+
+def bounds(query: dict[str, Any]) -> dict[str, Kind]:
+    """Per field, the strongest bounds the query's top-level predicates give."""
+    found: dict[str, Kind] = {}
+
+    def add(field: str, kind: Kind | None) -> None:
+        if kind is not None and STRENGTH.index(kind) >= STRENGTH.index(found.get(field, "whole")):
+            found[field] = kind
+
+    for field, predicate in query.items():
+        if field == "$and":
+            for part in predicate:
+                for name, kind in bounds(part).items():
+                    add(name, kind)
+        elif field.startswith("$"):
+            continue  # $expr, $where, $or (see serves), $comment: no bounds here
+        elif isinstance(predicate, dict) and "$elemMatch" in predicate:
+            for sub, kind in bounds(predicate["$elemMatch"]).items():
+                add(f"{field}.{sub}", kind)
+        else:
+            add(field, _kind(field, predicate))
+    return found
+
+
+def named(query: dict[str, Any]) -> set[str]:
+    """Fields the query's top-level predicates name, bounded or not."""
     found: set[str] = set()
     for field, predicate in query.items():
-        if field.startswith("$"):
-            continue  # $expr, $or: no index bounds from these
-        if not isinstance(predicate, dict) or not any(op.startswith("$") for op in predicate):
-            found.add(field)  # plain equality
-        elif "$elemMatch" in predicate:
-            found |= {f"{field}.{sub}" for sub in predicate["$elemMatch"] if not sub.startswith("$")}
-        elif BOUNDING & set(predicate):
+        if field == "$and":
+            found |= set().union(*(named(part) for part in predicate))
+        elif field.startswith("$"):
+            continue
+        elif isinstance(predicate, dict) and isinstance(predicate.get("$elemMatch"), dict):
+            found |= {f"{field}.{sub}" for sub in named(predicate["$elemMatch"])}
+        else:
             found.add(field)
     return found
 
 
-def serves(keys: Keys, query: dict[str, Any], sort: Keys) -> bool:
-    """Whether an index on ``keys`` bounds the filter (or walks the sort order) and has the sort
-    fields right after the filter fields it uses (``_id`` as a last tie-breaker is free)."""
-    fields = [name for name, _ in keys]
-    bounded = bounded_fields(query)
-    prefix = 0
-    while prefix < len(fields) and fields[prefix] in bounded:
-        prefix += 1
-    wanted = [name for name, _ in sort]
-    if len(wanted) > 1 and wanted[-1] == f.ID:
-        wanted = wanted[:-1]
-    if prefix == 0:  # no bounds: only an index walked in the sort's order helps
-        return bool(wanted) and fields[: len(wanted)] == wanted
-    return set(wanted) <= set(fields[: prefix + len(wanted)])
+def _follows(keys: Keys, start: int, sort: Keys) -> bool:
+    """Whether the index's fields from ``start`` are the sort's, all forwards or all backwards."""
+    part = keys[start : start + len(sort)]
+    if [name for name, _ in part] != [name for name, _ in sort]:
+        return False
+    signs = {direction * wanted for (_, direction), (_, wanted) in zip(part, sort, strict=True)}
+    return len(signs) == 1
 
 
-def serving(indexes: dict[str, Keys], query: dict[str, Any], sort: Keys) -> list[str]:
-    return [name for name, keys in indexes.items() if serves(keys, query, sort)]
+def serves(name: str, keys: Keys, query: dict[str, Any], sort: Keys) -> Served | None:
+    """How the index serves the query's AND part (``$or`` aside: see ``bounded``): with
+    bounds, by a walk in sort order, or not at all."""
+    fields = [field for field, _ in keys]
+    found = bounds(query)
+    points = {field for field, kind in found.items() if kind == "point" and not _is_in(query, field)}
+    wanted = [(field, d) for field, d in sort if field not in points]
+    if len(wanted) > 1 and wanted[-1][0] == f.ID:
+        wanted = wanted[:-1]  # the last tie-breaker: any order of equal keys will do
+    if name in UNIQUE and all(found.get(field) == "point" for field in fields):
+        return "bounds"  # one index key per value: at most a few documents, any sort is free
+    used = 0
+    while used < len(fields) and found.get(fields[used]) == "point":
+        used += 1
+    if wanted:
+        if not _follows(keys, used, wanted):
+            return None  # a blocking sort
+        used += len(wanted)
+    while used < len(fields) and fields[used] in found:
+        used += 1
+    if any(field in fields[used:] for field in named(query)):
+        return None  # a named index field after an unbounded one: a gap in the bounds
+    if used and fields[0] in found and found[fields[0]] != "whole":
+        return "bounds"
+    walked = found.get(fields[0]) in (None, "whole")  # the whole index: a walk
+    return "walk" if wanted and walked and _follows(keys, 0, wanted) else None
+
+
+def _is_in(query: dict[str, Any], field: str) -> bool:
+    """An ``$in`` of several values is several points: it does not fix the sort order."""
+    predicate = query.get(field)
+    return isinstance(predicate, dict) and len(predicate.get("$in", [])) > 1
+
+
+def serving(indexes: dict[str, Keys], query: dict[str, Any], sort: Keys) -> dict[str, Served]:
+    """The indexes that serve the query, and how."""
+    found = {name: serves(name, keys, query, sort) for name, keys in indexes.items()}
+    return {name: how for name, how in found.items() if how is not None}
+
+
+def bounded(indexes: dict[str, Keys], query: dict[str, Any], sort: Keys) -> bool:
+    """Whether an index bounds the query, or, for a ``$or``, each clause's scan."""
+    clauses: list[dict[str, Any]] = query.get("$or") or []
+    rest = {field: predicate for field, predicate in query.items() if field != "$or"}
+    if "bounds" in serving(indexes, rest, sort).values():
+        return True
+    return bool(clauses) and all(bounded(indexes, {**rest, **clause}, []) for clause in clauses)
 
 
 def claim_query(key: str | None = None) -> dict[str, Any]:
@@ -70,24 +179,16 @@ def claim_query(key: str | None = None) -> dict[str, Any]:
     return query if key is None else query | {f.KEY: key}
 
 
-ACTIVE = {f.STATE: {"$in": list(rules.ACTIVE)}}
 LIVE = {"$expr": {"$gt": [f.ref(f.EXPIRES_AT), x.NOW]}, f.EXPIRES_AT: {"$type": "date"}}
 HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
-    "claim": (TASK_INDEXES, claim_query(), CLAIM_SORT),
     "claim by key": (TASK_INDEXES, claim_query("k"), CLAIM_SORT),
     "batched claim": (TASK_INDEXES, claim_query() | {f.KEY: {"$in": ["a", "b"]}}, []),
-    "batched claim read-back": (
-        TASK_INDEXES,
-        {f.KEY: {"$in": ["a"]}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": ["r"]}},
-        [],
-    ),
+    "claim read-back and recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], ["a"]), []),
+    "keyless claim recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], None), []),
     "ping/finish fence": (TASK_INDEXES, x.entry_filter("k", "run"), []),
     "shared renewal": (TASK_INDEXES, x.renewal_filter("k", "run", "w1"), []),
     "renewal read-back": (TASK_INDEXES, {f.KEY: {"$in": ["a", "b"]}}, []),
     "get": (TASK_INDEXES, {f.KEY: "k"}, []),
-    "candidates, first page": (TASK_INDEXES, ACTIVE, [(f.KEY, 1)]),
-    "candidates, next page": (TASK_INDEXES, ACTIVE | {f.KEY: {"$gt": "k"}}, [(f.KEY, 1)]),
-    "purge": (TASK_INDEXES, x.purge_filter([TaskState.SUCCESS.value], 1000.0), []),
     "sweep, expired leases": (
         TASK_INDEXES,
         x.due_filter("w1", ["noop"], 0, TaskState.RUNNING.value),
@@ -98,10 +199,23 @@ HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
         x.due_filter("w1", ["noop"], 0, TaskState.PENDING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
-    "sweep, unsettled: no valid state": (TASK_INDEXES, x.unsettled_branches()[0], []),
-    "sweep, unsettled: no claimable_at date": (TASK_INDEXES, x.unsettled_branches()[1], []),
+    "sweep, unsettled": (TASK_INDEXES, x.unsettled_filter(), []),
+    **{
+        f"sweep, unsettled branch {i}": (TASK_INDEXES, branch, [])
+        for i, branch in enumerate(x.unsettled_branches())
+    },
     "registry beat": (REGISTRY_INDEXES, {f.ID: "w1"}, []),
+}
+# The registry holds one document per live worker: its liveness query walks _id in order.
+WALKS: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "registry liveness": (REGISTRY_INDEXES, LIVE, [(f.ID, 1)]),
+}
+# Not hot: the keyless claim runs once per unreadable document without a string key, the
+# candidate scan is not used by the engine, purge is an operator's command.
+RARE: dict[str, tuple[dict[str, Any], Keys]] = {
+    "keyless claim": (claim_query(), CLAIM_SORT),
+    "candidates, first page": ({f.STATE: {"$in": list(rules.ACTIVE)}}, [(f.KEY, 1)]),
+    "purge": (x.purge_filter([TaskState.SUCCESS.value], 1000.0), []),
 }
 # Listing (`taskrunner list`): the filter is bounded by an index, or the `created` index is
 # walked (backwards) in the created_at order; no index has created_at after state, name or worker_id.
@@ -110,59 +224,113 @@ LISTING: dict[str, dict[str, Any]] = {
     "list by name and state": {f.NAME: "noop", f.STATE: TaskState.PENDING.value},
     "list by worker": {f"{f.WORKERS}.{f.WORKER_ID}": "w1"},
 }
-# The dashboard's task list: newest first, paged by (time, key), walked on its own index.
+# The dashboard's task list as the store sends it: newest first, paged by (time, key), dates
+# walked on their sort's index; the undated part (sort value not a date) by its types, by key.
+AT = datetime(2026, 1, 1, tzinfo=UTC)
 DASHBOARD: dict[str, tuple[dict[str, Any], Keys]] = {
-    f"{sort}, {page}": (
-        {}
-        if page == "first page"
-        else {sort: {"$lte": "t"}, "$or": [{sort: {"$lt": "t"}}, {f.KEY: {"$lt": "k"}}]},
-        [(sort, -1), (f.KEY, -1)],
-    )
+    f"{sort}, {page}": (query, [(sort, -1), (f.KEY, -1)])
     for sort in (f.CREATED_AT, f.UPDATED_AT)
-    for page in ("first page", "next page")
+    for page, after in (("first page", None), ("next page", (AT, "k")))
+    if (query := _listing_queries(Listing(sort=sort, after=after))[0]) is not None
+}
+UNDATED: dict[str, dict[str, Any]] = {
+    f"{sort}, {page}": _listing_queries(Listing(sort=sort, after=after))[1]
+    for sort in (f.CREATED_AT, f.UPDATED_AT)
+    for page, after in (("first page", None), ("next page", (None, "k")))
 }
 
 
-def test_bounded_fields_ignore_expr_and_or() -> None:
-    """The helper keeps only fields that can bound a scan from the claim filter."""
-    assert bounded_fields(claim_query()) == {f.STATE, f.CLAIMABLE_AT, f.WORKERS, f.NAME}
-    assert bounded_fields(x.entry_filter("k", "r")) == {
-        f.KEY,
-        f"{f.WORKERS}.{f.RUN_ID}",
-        f"{f.WORKERS}.{f.STATE}",
+def test_bounds_follow_the_planners_rules() -> None:
+    """Points, ranges, complements and types bound; ``$expr``, ``$or`` and a negated ``$type`` do not."""
+    assert bounds(claim_query()) == {f.STATE: "point", f.CLAIMABLE_AT: "whole", f.NAME: "point"}
+    assert bounds(x.entry_filter("k", "r")) == {
+        f.KEY: "point",
+        f"{f.WORKERS}.{f.RUN_ID}": "point",
+        f"{f.WORKERS}.{f.STATE}": "point",
     }
+    negated = {"a": {"$not": {"$type": "date"}}, "b": {"$nin": [1]}, "c": {"$exists": False}}
+    assert bounds(negated | {"$where": "1", "$expr": {"$eq": ["$d", 1]}}) == {"b": "complement"}
+    assert bounds({"a": {"$type": "array"}, "b": {"$type": ["int", "null"]}}) == {"b": "type"}
+
+
+def test_a_negated_type_leaves_a_gap_in_the_claim_index() -> None:
+    """A filter naming claimable_at only by ``$not: {$type}`` is bounded on state alone: not served."""
+    gap = {f.STATE: {"$in": list(rules.ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}}
+    assert serving(TASK_INDEXES, gap, []) == {}
+    assert serving(TASK_INDEXES, {f.KEY: {"$type": "string"}}, []) == {}  # the whole index
+
+
+def test_a_blocking_sort_is_not_served() -> None:
+    """The keyless claim sorts by priority after a range on claimable_at: no index gives that order."""
+    assert serving(TASK_INDEXES, claim_query(), CLAIM_SORT) == {}
 
 
 @pytest.mark.parametrize("label", list(HOT))
 def test_hot_query_has_an_index(label: str) -> None:
-    """Each hot-path filter and sort has an index whose key prefix covers it."""
+    """Each hot-path filter and sort is bounded by an index (each clause of a ``$or`` too)."""
     indexes, query, sort = HOT[label]
-    assert serving(indexes, query, sort), f"no index serves {label}: {query} sorted by {sort}"
+    assert bounded(indexes, query, sort), f"no index bounds {label}: {query} sorted by {sort}"
 
 
-def test_claim_is_served_by_the_claim_index() -> None:
-    """The claim filter and sort use the ``claim`` index (state, claimable_at, then the sort)."""
-    assert "claim" in serving(TASK_INDEXES, claim_query(), CLAIM_SORT)
+@pytest.mark.parametrize("label", list(WALKS))
+def test_small_collections_walk_an_index_in_order(label: str) -> None:
+    """The registry's liveness query walks _id in its order (one document per live worker)."""
+    indexes, query, sort = WALKS[label]
+    assert "walk" in serving(indexes, query, sort).values()
 
 
-def test_candidate_scan_uses_state_bounds_or_key_order() -> None:
-    """Candidates are bounded by ``claim`` (state) and ordered by ``key_unique``; no single index does both."""
-    first, nxt = HOT["candidates, first page"][1], HOT["candidates, next page"][1]
-    assert serving(TASK_INDEXES, first, []) == ["claim"]
-    assert serving(TASK_INDEXES, first, [(f.KEY, 1)]) == ["key_unique"]
-    assert serving(TASK_INDEXES, nxt, [(f.KEY, 1)]) == ["key_unique"]
+def test_rare_queries_are_what_they_are() -> None:
+    """The rare queries' plans, stated: the keyless claim sorts, candidates walk keys, purge is bounded."""
+    plans = {label: serving(TASK_INDEXES, query, sort) for label, (query, sort) in RARE.items()}
+    assert plans == {
+        "keyless claim": {},
+        "candidates, first page": {"key_unique": "walk"},
+        "purge": {"claim": "bounds"},
+    }
+
+
+def test_sweeps_use_the_claim_index() -> None:
+    """The sweep's ranges are bounded by ``claim`` (state, then claimable_at as range and sort)."""
+    for label in ("sweep, expired leases", "sweep, new tasks"):
+        _, query, sort = HOT[label]
+        assert serving(TASK_INDEXES, query, sort).get("claim") == "bounds"
+    for branch in x.unsettled_branches():
+        assert serving(TASK_INDEXES, branch, []).get("claim") == "bounds", branch
 
 
 @pytest.mark.parametrize("label", list(LISTING))
 def test_listing_filters_are_bounded_or_walk_the_created_index(label: str) -> None:
     """Listing filters use an index; their created_at sort only by walking ``created`` (not a hot path)."""
     query = LISTING[label]
-    assert serving(TASK_INDEXES, query, [])
-    assert serving(TASK_INDEXES, query, LIST_SORT) == ["created"]
+    assert "bounds" in serving(TASK_INDEXES, query, []).values()
+    assert serving(TASK_INDEXES, query, LIST_SORT) == {"created": "walk"}
 
 
 @pytest.mark.parametrize("label", list(DASHBOARD))
 def test_dashboard_list_walks_its_sort_index(label: str) -> None:
     """The dashboard's task pages (created or updated, first or next) walk an index in their order."""
     query, sort = DASHBOARD[label]
-    assert serving(TASK_INDEXES, query, sort) == [sort[0][0].split("_")[0]]
+    assert list(serving(TASK_INDEXES, query, sort)) == [sort[0][0].split("_")[0]]
+
+
+@pytest.mark.parametrize("label", list(UNDATED))
+def test_the_undated_part_of_a_listing_is_bounded_by_its_types(label: str) -> None:
+    """The listing's part whose sort value is not a date: each clause of its ``$or`` is
+    bounded by the sort's index (null, empty, or a type other than date), never a walk."""
+    query = UNDATED[label]
+    rest = {field: predicate for field, predicate in query.items() if field != "$or"}
+    index = label.split("_")[0]
+    assert all(serving(TASK_INDEXES, rest | clause, []).get(index) == "bounds" for clause in query["$or"])
+
+
+def test_stats_read_each_part_through_an_index() -> None:
+    """``stats`` has no ``$facet`` (its sub-pipelines read no index): the counts walk
+    ``name_state`` in order, the oldest PENDING and the last hour's runs are bounded."""
+    pipeline = x.stats_pipeline("tasks", AT)
+    assert not any("$facet" in stage for stage in pipeline)
+    assert serving(TASK_INDEXES, {}, list(pipeline[0]["$sort"].items())) == {"name_state": "walk"}
+    parts = [stage["$unionWith"]["pipeline"] for stage in pipeline if "$unionWith" in stage]
+    assert [serving(TASK_INDEXES, part[0]["$match"], []) for part in parts] == [
+        {"claim": "bounds"},
+        {"updated": "bounds"},
+    ]

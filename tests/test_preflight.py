@@ -29,6 +29,7 @@ from taskrunner.preflight import (
     read_server,
     worker_needs,
 )
+from taskrunner.preflight import check as preflight_check
 from taskrunner.store.base import ChangeStream
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
@@ -239,10 +240,18 @@ class FakeClient:
 
     async def command(self, name: str, **options: Any) -> dict[str, Any]:
         self.commands.append((name, options))
+        if name not in self.replies:  # as a server answers a command it does not have
+            raise pe.OperationFailure(f"no such command: '{name}'", 59)
         return self.replies[name]
 
     def __getitem__(self, name: str) -> Any:
         return self if name == DB else self.collection
+
+    def get_database(self, name: str, **options: Any) -> Any:
+        return self[name]
+
+    def get_collection(self, name: str, **options: Any) -> Any:
+        return self.collection
 
 
 @pytest.mark.parametrize("streams", [False, True])
@@ -251,13 +260,37 @@ async def test_mongo_store_asks_for_a_stream_only_when_hello_says_standalone(str
     asked to open a change stream, and only its answer decides (a look-alike may serve them)."""
     client = FakeClient({"isWritablePrimary": True}, streams)
     info = await MongoStore(cast("Any", client), DB, "tasks").server_info()
-    assert [name for name, _ in client.commands] == ["hello", "buildInfo", "connectionStatus"]
+    assert [name for name, _ in client.commands] == ["buildInfo", "hello", "connectionStatus"]
     assert client.commands[2][1] == {"showPrivileges": True}
     assert info.topology is Topology.STANDALONE and info.change_streams is streams
     assert client.collection.watched == 1
     replica = FakeClient(REPLICA_SET_HELLO, streams=False)
     assert (await MongoStore(cast("Any", replica), DB, "tasks").server_info()).change_streams
     assert replica.collection.watched == 0
+
+
+@pytest.mark.parametrize("version", ["4.2.24", "4.4.1"])
+async def test_a_server_without_hello_is_judged_by_its_build_info(version: str) -> None:
+    """A server older than 4.4.2 may not know ``hello``: buildInfo is asked first and its
+    version alone makes the check raise ServerTooOld (not "start-up check skipped")."""
+    client = FakeClient({}, streams=False)
+    del client.replies["hello"]
+    client.replies["buildInfo"] = build_info(version)
+    store = MongoStore(cast("Any", client), DB, "tasks")
+    with pytest.raises(ServerTooOld, match=f"MongoDB {re.escape(version)} is older than 4.4.2"):
+        await preflight_check(
+            store, DB, worker_needs("tasks", task_stream=True, schedules=False), polling=POLLING
+        )
+    assert [name for name, _ in client.commands] == ["buildInfo"]
+
+
+async def test_a_server_that_lacks_hello_is_too_old_whatever_it_reports() -> None:
+    """No ``hello`` means older than 4.4.2, even when buildInfo gives no version to judge."""
+    client = FakeClient({}, streams=False)
+    del client.replies["hello"]
+    client.replies["buildInfo"] = {"ok": 1.0}
+    with pytest.raises(ServerTooOld, match=r"\(version unknown\) is older than 4\.4\.2"):
+        await MongoStore(cast("Any", client), DB, "tasks").server_info()
 
 
 # -- the worker and init ---------------------------------------------------------------------------

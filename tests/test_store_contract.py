@@ -654,6 +654,87 @@ async def test_due_lists_expired_leases_before_a_backlog_of_older_new_tasks(
     assert [t.key for t in page.tasks] == ["crashed", "new0", "new1", "new2"] and page.after is None
 
 
+async def test_due_finds_unsettled_documents_by_positive_types(store: Store, raw_insert: Raw) -> None:
+    """The sweep's unsettled ranges find every unfinished document whose claimable_at is
+    missing, null, empty or of another type than a date (arrays by their elements), and
+    every document without a valid state; never one with a date (``rules.unsettled``)."""
+    now = await store.server_time()
+    values: dict[str, Any] = {
+        "null": None,
+        "empty": [],
+        "text": "2000-01-01",
+        "number": 0,
+        "long": 2**40,
+        "object": {"at": now},
+        "bool": True,
+        "numbers": [1],
+        "with-null": [now, None],
+        "date": now,
+        "dates": [now],
+    }
+    for label, value in values.items():
+        await raw_insert({"key": label, "name": "job", "state": "PENDING", "claimable_at": value})
+    await raw_insert({"key": "missing", "name": "job", "state": "RUNNING"})
+    await raw_insert({"key": "no-state", "name": "job", "claimable_at": now})
+    await raw_insert({"key": "bad-state", "name": "job", "state": 3, "claimable_at": now})
+    await raw_insert({"key": "done", "name": "job", "state": "SUCCESS"})
+    page = await store.due("w1", ["other"], horizon=now, limit=100)
+    found = sorted([str(u.key) for u in page.unreadable] + [t.key for t in page.tasks])
+    expected = [k for k in values if k not in ("date", "dates")] + ["missing", "no-state", "bad-state"]
+    assert found == sorted(expected)
+
+
+async def test_stats_count_by_name_and_state_and_the_last_hours_runs(store: Store, raw_insert: Raw) -> None:
+    """Counts by name and state; runs that ended within the last hour (server time), not
+    before; the oldest PENDING task by its created_at date (one that is not a date ignored)."""
+    now = await store.server_time()
+    ago = {m: now - timedelta(minutes=m) for m in (10, 30, 120)}
+
+    def entry(state: str, finished: datetime) -> dict[str, Any]:
+        return {
+            "worker_id": "w",
+            "run_id": f"r{state}{finished.minute}",
+            "state": state,
+            "finished_at": finished,
+        }
+
+    base = {"name": "job", "params": {}, "priority": 0, "failures": 0, "attempts": 1, "run_at": ago[120]}
+    await raw_insert(
+        {
+            **base,
+            "key": "old",
+            "state": "SUCCESS",
+            "created_at": ago[120],
+            "updated_at": ago[120],
+            "workers": [entry("SUCCESS", ago[120])],
+        }
+    )
+    runs = [entry("FAIL", ago[30]), entry("SUCCESS", ago[10])]
+    await raw_insert(
+        {
+            **base,
+            "key": "new",
+            "state": "SUCCESS",
+            "created_at": ago[30],
+            "updated_at": ago[10],
+            "workers": runs,
+        }
+    )
+    await raw_insert(
+        {**base, "key": "p1", "state": "PENDING", "created_at": ago[30], "updated_at": ago[30], "workers": []}
+    )
+    await raw_insert(
+        {**base, "key": "p2", "state": "PENDING", "created_at": "yesterday", "updated_at": ago[30]}
+    )
+    await raw_insert(
+        {**base, "key": "other", "name": "mail", "state": "CANCELED", "created_at": now, "updated_at": now}
+    )
+    stats = await store.stats()
+    assert stats.counts == {"job": {"SUCCESS": 2, "PENDING": 2}, "mail": {"CANCELED": 1}}
+    assert (stats.finished_last_hour, stats.failed_last_hour, stats.running) == (2, 1, 0)
+    assert stats.oldest_pending_seconds is not None and 1790 < stats.oldest_pending_seconds < 1900
+
+
 async def test_memory_watch_reports_lost_history() -> None:
     """Resuming from a token older than the kept history raises ChangeHistoryLost."""
     store = MemoryStore(history=2)
@@ -769,6 +850,21 @@ async def test_claim_many_claims_each_eligible_key_under_its_own_run_id(store: S
         assert c.entry.worker_id == "w1" and c.task.state is TaskState.RUNNING
         assert (await store.get(c.task.key)).entry(c.run_id) is not None
     assert (await store.claim_many("w3", ["b0", "b1"])).claims == []
+
+
+async def test_recover_finds_the_claims_that_still_hold_their_entry(store: Store) -> None:
+    """``recover`` returns this worker's claims among the run ids, by key or without keys,
+    and not a claim given back, another worker's, or one of a key not asked for."""
+    await publish(store, task("a"), task("b"), task("c"))
+    claimed = await store.claim_many("w1", ["a", "b", "c"])
+    run_ids = {c.task.key: c.run_id for c in claimed.claims}
+    await store.release("c", run_ids["c"])
+    by_key = await store.recover("w1", list(run_ids.values()), keys=["a", "b", "c"])
+    assert sorted((c.task.key, c.run_id) for c in by_key.claims) == [("a", run_ids["a"]), ("b", run_ids["b"])]
+    keyless = await store.recover("w1", [run_ids["b"]])
+    assert [(c.task.key, c.run_id) for c in keyless.claims] == [("b", run_ids["b"])]
+    assert (await store.recover("w2", list(run_ids.values()))).claims == []
+    assert (await store.recover("w1", list(run_ids.values()), keys=["c"])).claims == []
 
 
 async def test_claim_many_records_a_malformed_document_as_its_failure(store: Store, raw_insert: Raw) -> None:

@@ -74,7 +74,7 @@ class Hub:
     async def _poll(self) -> None:
         seen: tuple[datetime, str] | None = None
         while True:
-            newest = await self.store.browse(Listing(sort=f.UPDATED_AT, limit=1))
+            newest = (await self.store.browse(Listing(sort=f.UPDATED_AT, limit=1))).tasks
             now = (newest[0].updated_at, newest[0].key) if newest else None
             if now != seen:
                 seen = now

@@ -14,7 +14,7 @@ from taskrunner.gates import GateDoc
 from taskrunner.limits import LimitState
 from taskrunner.models import EntryState, Task, TaskState
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import Listing
+from taskrunner.store.base import Listing, Position
 
 PAGE_SIZE = 50
 RECENT = 200  # tasks sampled (newest updated first, by index) for the throughput chart
@@ -40,7 +40,7 @@ async def overview(runner: TaskRunner) -> dict[str, Any]:
     for counts in stats.counts.values():
         by_state.update(counts)
     workers = await runner.workers()
-    recent = await runner.store.browse(Listing(sort=f.UPDATED_AT, limit=RECENT))
+    recent = (await runner.store.browse(Listing(sort=f.UPDATED_AT, limit=RECENT))).tasks
     now = await runner.store.server_time()
     return {
         "stats": stats,
@@ -85,7 +85,7 @@ class TaskFilter:
     prefix: str | None = None
     worker: str | None = None
     sort: str = "created"
-    after: tuple[datetime, str] | None = None
+    after: Position | None = None
 
     @classmethod
     def parse(cls, query: dict[str, str]) -> TaskFilter:
@@ -121,31 +121,28 @@ class TaskFilter:
         return {k: v for k, v in (params | changes).items() if v}
 
 
-def cursor(task: Task, sort: str) -> str:
-    """The ``after`` value continuing a listing after ``task``."""
-    return format_cursor(task.created_at if sort == "created" else task.updated_at, task.key)
+def format_cursor(at: datetime | None, key: str) -> str:
+    """The ``after`` text of a position: what ``parse_cursor`` reads back (no time: the
+    listing's part whose sort value is not a date)."""
+    return f"{at.isoformat() if at is not None else ''}|{key}"
 
 
-def format_cursor(at: datetime, key: str) -> str:
-    """The ``after`` text of a position: what ``parse_cursor`` reads back."""
-    return f"{at.isoformat()}|{key}"
-
-
-def parse_cursor(text: str | None) -> tuple[datetime, str] | None:
+def parse_cursor(text: str | None) -> Position | None:
     if not text:
         return None
-    at, _, key = text.partition("|")
+    at, bar, key = text.partition("|")
+    if not bar:
+        raise InvalidTask("after", "not a position in the list")
     try:
-        return datetime.fromisoformat(at), key
+        return (datetime.fromisoformat(at) if at else None), key
     except ValueError:
         raise InvalidTask("after", "not a position in the list") from None
 
 
 async def task_list(runner: TaskRunner, chosen: TaskFilter) -> dict[str, Any]:
-    tasks = await runner.store.browse(chosen.listing())
-    more = len(tasks) == PAGE_SIZE
-    after = cursor(tasks[-1], chosen.sort) if more else None
-    return {"tasks": tasks, "filter": chosen, "next": chosen.query(after=after) if after else None}
+    page = await runner.store.browse(chosen.listing())
+    after = format_cursor(*page.after) if page.after else None
+    return {"tasks": page.tasks, "filter": chosen, "next": chosen.query(after=after) if after else None}
 
 
 def progress(task: Task) -> float | None:

@@ -149,19 +149,36 @@ def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
     return Page(page.tasks, page.unreadable, "" if full else None)
 
 
+Position = tuple[datetime | None, str]
+"""Where a listing goes on: after this ``(sort value, key)``; the value None is the part
+of the listing whose sort value is not a date."""
+
+
 @dataclass(frozen=True, slots=True)
 class Listing:
     """One page of an operator's task listing (the dashboard's): newest first by ``sort``
     (``created_at`` or ``updated_at``) then key, continuing after ``after`` (the previous
-    page's last ``(sort value, key)``), so no page ever skips over the ones before it."""
+    page's ``Listed.after``), so no page ever skips over the ones before it. Documents whose
+    sort value is not a date (written by hand: missing, null, a string, ...) come last, by
+    key descending: MongoDB compares values of different types by type, so a range on a
+    date never reaches them."""
 
     state: TaskState | None = None
     name: str | None = None
     worker_id: str | None = None
     key_prefix: str | None = None
     sort: str = f.CREATED_AT
-    after: tuple[datetime, str] | None = None
+    after: Position | None = None
     limit: int = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One page of a ``Listing``: its tasks, and the position after the last one when the
+    page is full (None: this page was the last)."""
+
+    tasks: list[Task]
+    after: Position | None
 
 
 class ChangeStream(Protocol):
@@ -212,7 +229,7 @@ class Store(Protocol):
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int: ...
 
-    async def browse(self, listing: Listing) -> list[Task]:
+    async def browse(self, listing: Listing) -> Listed:
         """One page of ``listing`` (keyset paging: no skip, the sort's index walks it)."""
 
     async def candidates(self, *, after: str | None = None, limit: int = 500) -> Page:
@@ -267,6 +284,16 @@ class Store(Protocol):
         """Atomically claim, each on its own, every one of ``keys`` still claimable by
         ``worker_id``, in at most two round trips (an update and a read back); ``fresh``
         and ``window`` as for ``claim``."""
+
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
+        """The claims among ``run_ids`` that landed for ``worker_id`` and still hold their
+        RUNNING entry, read through the key index (``keys``) or, for a claim without a key,
+        the worker index. A claim whose reply was lost (a network error after the server
+        applied it) is found so, and run or released: its lease never expires unowned, so
+        the fault spends no failure budget. ``claim`` and ``claim_many`` recover at once;
+        when that read fails too they raise ``ClaimUnconfirmed`` for a later ``recover``."""
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         """Apply many runs' fenced writes in one round trip; one result per write.

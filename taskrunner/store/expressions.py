@@ -257,6 +257,17 @@ def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
     ]
 
 
+def claims_filter(worker_id: str, run_ids: Sequence[str], keys: Sequence[str] | None) -> dict[str, Any]:
+    """Tasks where a claim of ``worker_id`` under one of ``run_ids`` holds its RUNNING entry
+    (``rules.running_entry``): through the key index when the claim named ``keys``, else
+    through the worker index (``workers.worker_id``)."""
+    running = {f.WORKER_ID: worker_id, f.RUN_ID: {"$in": list(run_ids)}, f.STATE: EntryState.RUNNING.value}
+    found: dict[str, Any] = {f.WORKERS: {"$elemMatch": running}}
+    if keys is not None:
+        found[f.KEY] = {"$in": list(keys)}
+    return found
+
+
 def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     """The run_id paired with the document's key: one update claims many tasks, each
     under its own fencing token."""
@@ -531,13 +542,24 @@ def retry_update() -> list[Expr]:
     ]
 
 
+NOT_DATES = [t for t in rules.BSON_TYPES if t not in ("date", "array")]
+"""Every BSON type but a date, as ``$type`` aliases; an array matches by its elements'
+types (``$type: "array"`` would give no index bounds), an empty one by ``[]``."""
+
+
 def unsettled_branches() -> list[dict[str, Any]]:
-    """``rules.unsettled`` as two ranges of the claim index: states outside the five, and
-    unfinished without a claimable_at date (the key's type is checked on what they find)."""
+    """``rules.unsettled`` as three ranges of the claim index, each a clause of a ``$or``:
+    states outside the five (the complement of five points), and unfinished with a
+    missing, null or empty ``claimable_at``, or one of any type but a date. Written as
+    positive types because MongoDB's planner builds no index bounds from a negated
+    ``$type``: ``{$not: {$type: "date"}}`` read every active index key. The key's type is
+    checked on what the bounds find."""
     keyed = {f.KEY: {"$type": "string"}}
+    active = {f.STATE: {"$in": list(ACTIVE)}}
     return [
         {f.STATE: {"$nin": list(STATES)}, **keyed},
-        {f.STATE: {"$in": list(ACTIVE)}, f.CLAIMABLE_AT: {"$not": {"$type": "date"}}, **keyed},
+        {**active, f.CLAIMABLE_AT: {"$in": [None, []]}, **keyed},
+        {**active, f.CLAIMABLE_AT: {"$type": NOT_DATES}, **keyed},
     ]
 
 
@@ -596,36 +618,58 @@ def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
     }
 
 
-def stats_pipeline() -> list[Expr]:
-    """One aggregation: counts by name and state, oldest pending, last hour's run outcomes."""
-    hour_ago = {"$subtract": [NOW, 3_600_000]}
+STATS_BY = "by"
+STATS_OLDEST = "oldest"
+STATS_RECENT = "recent"
+
+
+def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
+    """Counts by name and state, the oldest PENDING task's creation, and the last hour's run
+    outcomes, as one aggregate whose parts each read an index (a ``$facet`` would scan the
+    collection: its sub-pipelines cannot use indexes). Each row has ``_id.part``:
+
+    * counts: the ``name_state`` index walked in order, covered (no document is read);
+    * oldest pending: PENDING keys of the ``claim`` index, covered (it holds created_at);
+    * recent: tasks written since ``hour_ago`` (server time) through the ``updated`` index,
+      since every write that ends a run stamps ``updated_at`` with the run's ``finished_at``.
+    """
     entry_state = f.ref(f"{f.WORKERS}.{f.STATE}")  # after $unwind: one entry per document
     outcomes = [EntryState.SUCCESS.value, EntryState.FAIL.value]
-    recent = {
-        "$and": [
-            {"$in": [entry_state, outcomes]},
-            {"$gte": [f.ref(f"{f.WORKERS}.{f.FINISHED_AT}"), hour_ago]},
-        ]
-    }
-    return [
+    is_date = {"$eq": [{"$type": f.ref(f.CREATED_AT)}, "date"]}
+    counts = [
+        {"$sort": {f.NAME: 1, f.STATE: 1}},
         {
-            "$facet": {
-                "by": [
-                    {"$group": {"_id": {f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)}, "n": {"$sum": 1}}}
-                ],
-                "oldest": [
-                    {"$match": {f.STATE: TaskState.PENDING.value}},
-                    {"$group": {"_id": None, "oldest": {"$min": f.ref(f.CREATED_AT)}}},
-                ],
-                "recent": [
-                    {"$match": {f.WORKERS: {"$type": "array"}}},
-                    {"$unwind": f.ref(f.WORKERS)},
-                    {"$match": {"$expr": recent}},
-                    {"$group": {"_id": entry_state, "n": {"$sum": 1}}},
-                ],
+            "$group": {
+                "_id": {"part": STATS_BY, f.NAME: f.ref(f.NAME), f.STATE: f.ref(f.STATE)},
+                "n": {"$sum": 1},
             }
         },
-        {"$addFields": {"now": NOW}},
+    ]
+    oldest = [
+        {"$match": {f.STATE: TaskState.PENDING.value}},
+        # $min skips nulls: a created_at that is not a date (written by hand) is left out.
+        {
+            "$group": {
+                "_id": {"part": STATS_OLDEST},
+                "n": {"$min": {"$cond": [is_date, f.ref(f.CREATED_AT), None]}},
+            }
+        },
+    ]
+    recent = [
+        {"$match": {f.UPDATED_AT: {"$gte": hour_ago}}},
+        {"$unwind": f.ref(f.WORKERS)},  # a non-array workers: kept as is, then filtered out
+        {
+            "$match": {
+                f"{f.WORKERS}.{f.STATE}": {"$in": outcomes},
+                f"{f.WORKERS}.{f.FINISHED_AT}": {"$gte": hour_ago},
+            }
+        },
+        {"$group": {"_id": {"part": STATS_RECENT, f.STATE: entry_state}, "n": {"$sum": 1}}},
+    ]
+    return [
+        *counts,
+        {"$unionWith": {"coll": collection, "pipeline": oldest}},
+        {"$unionWith": {"coll": collection, "pipeline": recent}},
     ]
 
 

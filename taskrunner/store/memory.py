@@ -39,6 +39,7 @@ from taskrunner.store.base import (
     Claim,
     Claimed,
     EventKind,
+    Listed,
     Listing,
     Page,
     RunResult,
@@ -188,10 +189,17 @@ class MemoryStore:
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         return len(self._matching(state, name))
 
-    async def browse(self, listing: Listing) -> list[Task]:
+    async def browse(self, listing: Listing) -> Listed:
         docs = [d for d in self._matching(listing.state, listing.name) if _listed(d, listing)]
-        docs.sort(key=lambda d: (d[listing.sort], d[f.KEY]), reverse=True)
-        return [self._task(d) for d in docs[: listing.limit]]
+        dated = [d for d in docs if isinstance(d.get(listing.sort), datetime)]
+        dated.sort(key=lambda d: (d[listing.sort], str(d.get(f.KEY))), reverse=True)
+        undated = sorted((d for d in docs if d not in dated), key=lambda d: str(d.get(f.KEY)), reverse=True)
+        chosen = (dated + undated)[: listing.limit]
+        if len(chosen) < listing.limit or not chosen:
+            return Listed([self._task(d) for d in chosen], None)
+        at = chosen[-1].get(listing.sort)
+        tasks = [self._task(d) for d in chosen]
+        return Listed(tasks, (at if isinstance(at, datetime) else None, tasks[-1].key))
 
     def _matching(self, state: TaskState | None, name: str | None) -> list[Doc]:
         return [
@@ -280,6 +288,23 @@ class MemoryStore:
             if claim is not None:
                 claims.append(claim)
         return Claimed(claims, rejected)
+
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
+        claimed = Claimed([], [])
+        docs = (
+            self._docs.values() if keys is None else [d for k in keys if (d := self._docs.get(k)) is not None]
+        )
+        for doc in docs:
+            entry = next((e for r in run_ids if (e := rules.running_entry(doc, r)) is not None), None)
+            if entry is None or entry.get(f.WORKER_ID) != worker_id:
+                continue
+            try:
+                claimed.claims.append(Claim(Task.from_document(_clone(doc)), entry[f.RUN_ID]))
+            except MalformedTask as exc:
+                claimed.rejected.append(exc)
+        return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         return [self._write_run(w) for w in writes]
@@ -688,7 +713,13 @@ def _listed(doc: Doc, listing: Listing) -> bool:
         return False
     if listing.key_prefix is not None and not str(doc.get(f.KEY)).startswith(listing.key_prefix):
         return False
-    return listing.after is None or (doc[listing.sort], doc[f.KEY]) < listing.after
+    if listing.after is None:
+        return True
+    at, key = listing.after
+    value = doc.get(listing.sort)
+    if not isinstance(value, datetime):  # the undated part comes after every date, by key
+        return at is not None or str(doc.get(f.KEY)) < key
+    return at is not None and (value, str(doc.get(f.KEY))) < (at, key)
 
 
 def _has_worker(doc: Doc, worker_id: str) -> bool:

@@ -13,11 +13,13 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import replace
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import bson
-from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne, monitoring
+from bson.codec_options import CodecOptions, DatetimeConversion
+from bson.raw_bson import RawBSONDocument
+from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateOne, monitoring
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
@@ -28,6 +30,7 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamsUnsupported,
     ClaimLost,
+    ClaimUnconfirmed,
     DuplicateKey,
     InvalidSchedule,
     InvalidState,
@@ -35,6 +38,7 @@ from taskrunner.errors import (
     MalformedTask,
     PartialBulkWrite,
     ScheduleNotFound,
+    ServerTooOld,
     StoreError,
     StoreUnavailable,
     TaskNotFound,
@@ -42,7 +46,7 @@ from taskrunner.errors import (
 )
 from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
-from taskrunner.preflight import ServerInfo, read_server
+from taskrunner.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
 from taskrunner.redact import redact
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.store import expressions as x
@@ -53,6 +57,7 @@ from taskrunner.store.base import (
     Claimed,
     EventKind,
     Failure,
+    Listed,
     Listing,
     Page,
     RunResult,
@@ -65,11 +70,21 @@ from taskrunner.store.base import (
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
+# Dates out of Python's range (before year 1 or after 9999, which other languages write)
+# decode as bson.DatetimeMS instead of failing the whole reply: the document then reads
+# with a problem naming the field and its key, like any malformed one. Clamping them
+# instead would show a wrong date as if it were valid.
+CODEC: CodecOptions[Doc] = CodecOptions(
+    tz_aware=True, tzinfo=UTC, datetime_conversion=DatetimeConversion.DATETIME_AUTO
+)
+RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument)
+LENIENT = CODEC.with_options(unicode_decode_error_handler="replace")
 CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _DOCUMENT_INVALID = 121
 _DUPLICATE_KEY = 11000
 _NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
+_COMMAND_NOT_FOUND = 59
 _AWAIT_MS = 500  # one getMore waits this long for changes
 _WORK_AWAIT_MS = 5000  # ... and on a worker's (filtered) stream
 
@@ -89,6 +104,10 @@ def mapped_errors() -> Iterator[None]:
         # The topology description PyMongo appends is long and says nothing new.
         reason = str(exc).split(" (configured timeouts")[0].split(", Timeout:")[0]
         raise StoreUnavailable(f"MongoDB unavailable: {redact(reason)}") from exc
+    except bson.errors.InvalidBSON as exc:  # task documents are decoded one by one (_decode)
+        raise StoreError(
+            f"a document the server returned does not decode as BSON: {redact(str(exc))}"
+        ) from exc
     except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
         raise InvalidTask("task", redact(str(exc))) from exc
     except pe.DuplicateKeyError as exc:
@@ -108,6 +127,29 @@ def mapped_errors() -> Iterator[None]:
         raise StoreError(redact(str(exc))) from exc
 
 
+def _code(exc: BaseException) -> int | None:
+    """The server's error code behind a mapped error, if it gave one."""
+    cause = exc.__cause__
+    return cause.code if isinstance(cause, pe.OperationFailure) else None
+
+
+def _decode(raw: Mapping[str, Any]) -> Doc:
+    """A raw task document as a dict. One that does not decode (a string that is not UTF-8,
+    as another language's driver may write) is decoded leniently, its key readable, and
+    marked so that it reads as a malformed task (``fields.UNDECODABLE``)."""
+    data = raw.raw if isinstance(raw, RawBSONDocument) else bson.encode(raw)
+    try:
+        return bson.decode(data, CODEC)
+    except bson.errors.InvalidBSON as exc:
+        doc: Doc = bson.decode(data, LENIENT)
+        doc[f.UNDECODABLE] = f"the document does not decode as BSON ({redact(str(exc))})"
+        return doc
+
+
+def _decoded(raw: Mapping[str, Any] | None) -> Doc | None:
+    return None if raw is None else _decode(raw)
+
+
 def _write_error(error: Doc) -> StoreError:
     """One write's error in a bulk write, as taskrunner's exception."""
     message = redact(str(error.get("errmsg", error)))
@@ -125,11 +167,18 @@ class MongoStore:
         self, client: AsyncMongoClient[Doc], database: str, collection: str, *, owns_client: bool = False
     ) -> None:
         self.client = client
-        self.collection: AsyncCollection[Doc] = client[database][collection]
-        self.registry: AsyncCollection[Doc] = client[database][f"{collection}.{f.REGISTRY_SUFFIX}"]
-        self.schedule_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.SCHEDULES_SUFFIX}"]
-        self.limit_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.LIMITS_SUFFIX}"]
-        self.gate_docs: AsyncCollection[Doc] = client[database][f"{collection}.{f.GATES_SUFFIX}"]
+        # Every read follows this process's own writes (a claim's read-back, get after
+        # publish, a gate after its update): on the primary, whatever the URI's
+        # readPreference says, since a secondary may not have applied them yet.
+        db = client.get_database(database, read_preference=ReadPreference.PRIMARY, codec_options=CODEC)
+        self.collection: AsyncCollection[Doc] = db[collection]
+        # Task documents are read raw and decoded one by one (``_decode``): one that does not
+        # decode is read leniently and named, instead of failing the whole reply.
+        self._raw = cast("AsyncCollection[RawBSONDocument]", db.get_collection(collection, codec_options=RAW))
+        self.registry: AsyncCollection[Doc] = db[f"{collection}.{f.REGISTRY_SUFFIX}"]
+        self.schedule_docs: AsyncCollection[Doc] = db[f"{collection}.{f.SCHEDULES_SUFFIX}"]
+        self.limit_docs: AsyncCollection[Doc] = db[f"{collection}.{f.LIMITS_SUFFIX}"]
+        self.gate_docs: AsyncCollection[Doc] = db[f"{collection}.{f.GATES_SUFFIX}"]
         self._owns_client = owns_client
 
     @classmethod
@@ -153,6 +202,7 @@ class MongoStore:
                 uri,
                 tz_aware=True,
                 appname="taskrunner",
+                datetime_conversion=DatetimeConversion.DATETIME_AUTO,
                 serverSelectionTimeoutMS=int(timeout * 1000),
                 connectTimeoutMS=int(timeout * 1000),
                 **extra,
@@ -210,7 +260,8 @@ class MongoStore:
             return [self._task(doc, created=doc.get(f.PUBLISH_ID) == publish_id)]
         await self._publish_bulk(ops)
         with mapped_errors():
-            docs = {d[f.KEY]: d async for d in self.collection.find({f.KEY: {"$in": [t.key for t in tasks]}})}
+            found = await self._raw.find({f.KEY: {"$in": [t.key for t in tasks]}}).to_list()
+        docs = {d.get(f.KEY): d for d in map(_decode, found)}
         return [self._task(docs[t.key], created=docs[t.key].get(f.PUBLISH_ID) == publish_id) for t in tasks]
 
     def _publish_op(
@@ -240,8 +291,10 @@ class MongoStore:
         for _ in range(3):
             try:
                 with mapped_errors():
-                    doc = await self.collection.find_one_and_update(
-                        filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                    doc = _decoded(
+                        await self._raw.find_one_and_update(
+                            filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                        )
                     )
                     assert doc is not None, "an upsert always returns a document"
                     return doc
@@ -251,7 +304,7 @@ class MongoStore:
 
     async def get(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one({f.KEY: key})
+            doc = _decoded(await self._raw.find_one({f.KEY: key}))
         if doc is None:
             raise TaskNotFound(key)
         return self._task(doc)
@@ -268,18 +321,25 @@ class MongoStore:
         if worker_id is not None:
             query[f"{f.WORKERS}.{f.WORKER_ID}"] = worker_id
         with mapped_errors():
-            cursor = self.collection.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit)
-            return [self._task(doc) async for doc in cursor]
+            found = await self._raw.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit).to_list()
+        return [self._task(_decode(doc)) for doc in found]
 
     async def count(self, *, state: TaskState | None = None, name: str | None = None) -> int:
         with mapped_errors():
             return await self.collection.count_documents(self._query(state, name))
 
-    async def browse(self, listing: Listing) -> list[Task]:
+    async def browse(self, listing: Listing) -> Listed:
         order = [(listing.sort, -1), (f.KEY, -1)]
+        dated, undated = _listing_queries(listing)
+        found: list[Doc] = []
         with mapped_errors():
-            cursor = self.collection.find(_listing_query(listing)).sort(order).limit(listing.limit)
-            return [self._task(doc) async for doc in cursor]
+            if dated is not None:
+                cursor = self._raw.find(dated).sort(order).limit(listing.limit)
+                found = list(map(_decode, await cursor.to_list()))
+            if len(found) < listing.limit:  # the dates are done: the rest, by key
+                cursor = self._raw.find(undated).sort(f.KEY, -1).limit(listing.limit - len(found))
+                found += map(_decode, await cursor.to_list())
+        return listed(found, listing)
 
     @staticmethod
     def _query(state: TaskState | None, name: str | None) -> Doc:
@@ -295,14 +355,14 @@ class MongoStore:
         if after is not None:
             query[f.KEY] = {"$gt": after}
         with mapped_errors():
-            docs = await self.collection.find(query).sort(f.KEY, 1).limit(limit).to_list()
-        return page_of(docs, limit)
+            docs = await self._raw.find(query).sort(f.KEY, 1).limit(limit).to_list()
+        return page_of(list(map(_decode, docs)), limit)
 
     async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
         pipeline = x.due_pipeline(self.collection.name, worker_id, list(names), horizon, limit)
         with mapped_errors():
-            docs = await (await self.collection.aggregate(pipeline)).to_list()
-        return due_page(docs, limit)
+            docs = await (await self._raw.aggregate(pipeline)).to_list()
+        return due_page(list(map(_decode, docs)), limit)
 
     async def claim(
         self,
@@ -326,10 +386,19 @@ class MongoStore:
         # general one when it misses: a miss means the task changed, and the caller looks again.
         query = x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
-        with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
-            )
+        keys = None if key is None else [key]
+        try:
+            with mapped_errors():
+                doc = _decoded(
+                    await self._raw.find_one_and_update(
+                        {**query, **scope}, update, sort=CLAIM_SORT, return_document=ReturnDocument.AFTER
+                    )
+                )
+        except StoreUnavailable as exc:  # it may have landed, even after the driver's retry
+            claimed = await self._recover_now(worker_id, [run_id], keys, exc)
+            if claimed.rejected:
+                raise claimed.rejected[0] from exc
+            return claimed.claims[0] if claimed.claims else None
         if doc is None or not any(w.get(f.RUN_ID) == run_id for w in doc.get(f.WORKERS) or []):
             return None  # nothing claimable, or a task whose dead leases spent its budget was ended
         try:
@@ -359,22 +428,48 @@ class MongoStore:
         if window is not None:
             query["$and"] = [x.window_filter(*window)]
         update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
+        if not keys:
+            return Claimed([], [])
+        try:
+            with mapped_errors():
+                # update_many is not a retryable write: a lost reply is recovered below.
+                if (await self._raw.update_many(query, update)).modified_count == 0:
+                    return Claimed([], [])
+        except StoreUnavailable as exc:
+            return await self._recover_now(worker_id, run_ids, keys, exc)
+        try:
+            return await self.recover(worker_id, run_ids, keys=keys)
+        except StoreUnavailable as exc:
+            raise ClaimUnconfirmed(str(exc), run_ids, keys) from exc
+
+    async def _recover_now(
+        self, worker_id: str, run_ids: list[str], keys: list[str] | None, exc: StoreUnavailable
+    ) -> Claimed:
+        """After a claim's transport error: what landed, read at once (a lost reply closes
+        one connection, not the server); ``ClaimUnconfirmed`` when that fails too."""
+        try:
+            return await self.recover(worker_id, run_ids, keys=keys)
+        except StoreUnavailable as again:
+            raise ClaimUnconfirmed(str(exc), run_ids, keys) from again
+
+    async def recover(
+        self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None
+    ) -> Claimed:
         with mapped_errors():
-            if not keys or (await self.collection.update_many(query, update)).modified_count == 0:
-                return Claimed([], [])
-            mine = {f.KEY: {"$in": keys}, f"{f.WORKERS}.{f.RUN_ID}": {"$in": run_ids}}
-            docs = await self.collection.find(mine).to_list()
-        token = dict(zip(keys, run_ids, strict=True))
+            found = await self._raw.find(x.claims_filter(worker_id, run_ids, keys)).to_list()
+        docs = list(map(_decode, found))
+        wanted = set(run_ids)
         claimed = Claimed([], [])
         for doc in docs:  # a task whose dead leases spent its budget was ended: no entry, not here
+            run_id = next(w[f.RUN_ID] for w in doc[f.WORKERS] if w.get(f.RUN_ID) in wanted)
             try:
-                claimed.claims.append(Claim(Task.from_document(doc), token[doc[f.KEY]]))
+                claimed.claims.append(Claim(Task.from_document(doc), run_id))
             except MalformedTask as exc:
                 claimed.rejected.append(exc)
                 # Not recorded now? Its lease expires and a later claim counts the failure;
                 # the other claims of this batch must not be lost over it.
                 with suppress(StoreError):
-                    await self._reject(doc[f.ID], token[doc[f.KEY]], exc)
+                    await self._reject(doc[f.ID], run_id, exc)
         return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
@@ -431,10 +526,10 @@ class MongoStore:
         also which outcomes that did not land still own their RUNNING entry."""
         fields = [f.KEY, f.STATE, f.opt(f.WORKER_IDS), f"{f.WORKERS}.{f.RUN_ID}", f"{f.WORKERS}.{f.STATE}"]
         with mapped_errors():
-            cursor = self.collection.find(
+            found = await self._raw.find(
                 {f.KEY: {"$in": list({w.key for w in writes})}}, dict.fromkeys(fields, 1)
-            )
-            docs = {d[f.KEY]: d async for d in cursor}
+            ).to_list()
+        docs = {d.get(f.KEY): d for d in map(_decode, found)}
         results: list[RunResult] = []
         for i, w in enumerate(writes):
             doc = docs.get(w.key)
@@ -473,8 +568,10 @@ class MongoStore:
 
     async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             raise ClaimLost(key, run_id)
@@ -488,7 +585,7 @@ class MongoStore:
 
     async def normalize(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one({f.KEY: key})
+            doc = _decoded(await self._raw.find_one({f.KEY: key}))
         if doc is None:
             raise TaskNotFound(key)
         # The values' types decide whether it reads; the write stamps server time.
@@ -501,18 +598,20 @@ class MongoStore:
             update += x.mark_update(problem.problem)
             guard |= x.unchanged(doc, sorted({f.STATE, problem.field.split(".")[0]} - {""}))
         with mapped_errors():
-            after = await self.collection.find_one_and_update(
-                guard, update, return_document=ReturnDocument.AFTER
+            after = _decoded(
+                await self._raw.find_one_and_update(guard, update, return_document=ReturnDocument.AFTER)
             )
-            after = after if after is not None else await self.collection.find_one({f.ID: doc[f.ID]})
+            after = after if after is not None else _decoded(await self._raw.find_one({f.ID: doc[f.ID]}))
         if after is None:
             raise TaskNotFound(key)
         return self._task(after)
 
     async def cancel(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             raise TaskNotFound(key)
@@ -523,8 +622,10 @@ class MongoStore:
 
     async def retry(self, key: str) -> Task:
         with mapped_errors():
-            doc = await self.collection.find_one_and_update(
-                x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
+            doc = _decoded(
+                await self._raw.find_one_and_update(
+                    x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
+                )
             )
         if doc is None:
             task = await self.get(key)  # raises TaskNotFound
@@ -541,19 +642,25 @@ class MongoStore:
             return (await self.collection.delete_many(query)).deleted_count
 
     async def stats(self) -> TaskStats:
+        now = await self.server_time()
+        pipeline = x.stats_pipeline(self.collection.name, now - timedelta(hours=1))
         with mapped_errors():
-            [doc] = await (await self.collection.aggregate(x.stats_pipeline())).to_list()
+            rows = await (await self.collection.aggregate(pipeline)).to_list()
         counts: dict[str, dict[str, int]] = {}
-        for row in doc["by"]:
-            counts.setdefault(str(row["_id"].get(f.NAME)), {})[str(row["_id"].get(f.STATE))] = row["n"]
-        oldest = doc["oldest"][0]["oldest"] if doc["oldest"] else None
-        recent = {row["_id"]: row["n"] for row in doc["recent"]}
+        recent: dict[str, int] = {}
+        oldest: Any = None
+        for row in rows:
+            part = row["_id"]
+            if part["part"] == x.STATS_BY:
+                counts.setdefault(str(part.get(f.NAME)), {})[str(part.get(f.STATE))] = row["n"]
+            elif part["part"] == x.STATS_RECENT:
+                recent[str(part.get(f.STATE))] = row["n"]
+            else:
+                oldest = row["n"]
         return TaskStats(
             counts=counts,
             running=sum(c.get(TaskState.RUNNING.value, 0) for c in counts.values()),
-            oldest_pending_seconds=(doc["now"] - oldest).total_seconds()
-            if isinstance(oldest, datetime)
-            else None,
+            oldest_pending_seconds=(now - oldest).total_seconds() if isinstance(oldest, datetime) else None,
             finished_last_hour=recent.get(EntryState.SUCCESS.value, 0) + recent.get(EntryState.FAIL.value, 0),
             failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
@@ -566,9 +673,21 @@ class MongoStore:
         return now if now.tzinfo else now.replace(tzinfo=UTC)
 
     async def server_info(self) -> ServerInfo:
+        # buildInfo first: a server older than the minimum may not know hello (4.4.2).
         with mapped_errors():
-            hello = await self.client.admin.command("hello")
             build_info = await self.client.admin.command("buildInfo")
+        if too_old(build_info):
+            return read_server({}, build_info, {})
+        try:
+            with mapped_errors():
+                hello = await self.client.admin.command("hello")
+        except StoreError as exc:
+            if _code(exc) != _COMMAND_NOT_FOUND:
+                raise
+            raise ServerTooOld(
+                read_server({}, build_info, {}).version_text, MINIMUM_TEXT, WHY_MINIMUM
+            ) from exc
+        with mapped_errors():
             status = await self.client.admin.command("connectionStatus", showPrivileges=True)
         info = read_server(hello, build_info, status)
         if info.change_streams:
@@ -775,17 +894,37 @@ class MongoStore:
         return Task.read(doc, created=created)
 
 
-def _listing_query(listing: Listing) -> Doc:
+def _listing_queries(listing: Listing) -> tuple[Doc | None, Doc]:
+    """A listing's two parts: documents whose sort value is a date, newest first through
+    the sort's index (None once ``after`` is past them), then the others, by key. On
+    MongoDB a range on a date only matches dates (type bracketing), so the others need
+    their own query: bounded by their types, as a negated ``$type`` gives no index bounds."""
     query = MongoStore._query(listing.state, listing.name)
     if listing.worker_id is not None:
         query[f"{f.WORKERS}.{f.WORKER_ID}"] = listing.worker_id
     if listing.key_prefix:
         query[f.KEY] = {"$regex": "^" + re.escape(listing.key_prefix)}  # anchored: walks the key index
-    if listing.after is not None:
-        at, key = listing.after
-        query[listing.sort] = {"$lte": at}  # bounds the index scan; the $or breaks ties by key
-        query["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
-    return query
+    not_dates = [{listing.sort: {"$in": [None, []]}}, {listing.sort: {"$type": x.NOT_DATES}}]
+    undated = {**query, "$or": not_dates}
+    if listing.after is None:
+        return {**query, listing.sort: {"$type": "date"}}, undated
+    at, key = listing.after
+    if at is None:
+        undated[f.KEY] = {**query.get(f.KEY, {}), "$lt": key}
+        return None, undated
+    # The range bounds the index scan; the $or breaks ties by key.
+    dated = {**query, listing.sort: {"$type": "date", "$lte": at}}
+    dated["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
+    return dated, undated
+
+
+def listed(docs: list[Doc], listing: Listing) -> Listed:
+    """A page of ``listing`` from its documents in order, with the position after the last."""
+    tasks = [Task.read(doc) for doc in docs]
+    if len(docs) < listing.limit or not docs:
+        return Listed(tasks, None)
+    at = docs[-1].get(listing.sort)
+    return Listed(tasks, (at if isinstance(at, datetime) else None, tasks[-1].key))
 
 
 class _MongoChangeStream:

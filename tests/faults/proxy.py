@@ -8,7 +8,13 @@ worker processes connect to ``proxy.uri`` while the test talks to the server dir
         proxy.blackhole()     # accept, forward nothing; open connections stall (a partition)
         proxy.drop()          # close every connection and refuse new ones (server down)
         proxy.latency(0.2)    # delay every forwarded chunk, both directions (slow network)
+        proxy.swap(a, b)      # replies carry b where the server sent a, requests a for b
         proxy.heal()          # back to plain forwarding; stalled bytes flow again
+
+``swap`` shows the client bytes the server cannot hold (a date out of Python's range, a
+string that is not UTF-8, as other languages' drivers may write): ``a`` and ``b`` have
+one length, so every message keeps its size. Messages are forwarded whole (by their
+length prefix), so a swap never straddles two reads.
 
 Modes are set from the test's thread and take effect before the call returns.
 """
@@ -16,11 +22,10 @@ Modes are set from the test's thread and take effect before the call returns.
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from types import TracebackType
 from urllib.parse import urlsplit
-
-CHUNK = 64 * 1024
 
 
 class FaultProxy:
@@ -31,6 +36,7 @@ class FaultProxy:
         self.delay = 0.0
         self.dropped = False
         self.connections = 0  # accepted so far (refused ones included)
+        self.swapped: tuple[bytes, bytes] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
         self._flowing: asyncio.Event | None = None
@@ -64,6 +70,12 @@ class FaultProxy:
     def latency(self, seconds: float) -> None:
         """Delay every forwarded chunk by ``seconds`` (each direction, so a round trip pays twice)."""
         self._call(self._set(delay=seconds))
+
+    def swap(self, server_bytes: bytes, client_bytes: bytes) -> None:
+        """Replies carry ``client_bytes`` wherever the server sent ``server_bytes``, and
+        requests ``server_bytes`` wherever the client sent ``client_bytes`` (one length)."""
+        assert len(server_bytes) == len(client_bytes), "a swap must keep every message's size"
+        self.swapped = (server_bytes, client_bytes)
 
     def heal(self) -> None:
         self._call(self._set(flowing=True, dropped=False, delay=0.0))
@@ -132,8 +144,8 @@ class FaultProxy:
             return
         self._writers.add(up_writer)
         pumps = [
-            asyncio.create_task(self._pump(reader, up_writer)),
-            asyncio.create_task(self._pump(up_reader, writer)),
+            asyncio.create_task(self._pump(reader, up_writer, replies=False)),
+            asyncio.create_task(self._pump(up_reader, writer, replies=True)),
         ]
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for pump in pumps:
@@ -142,12 +154,14 @@ class FaultProxy:
             self._writers.discard(w)
             w.transport.abort()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, replies: bool
+    ) -> None:
         assert self._flowing is not None
         try:
             while True:
                 await self._flowing.wait()  # a blackhole stops reading: the sender's bytes stall
-                data = await reader.read(CHUNK)
+                data = await self._message(reader, replies)
                 if not data:
                     return
                 if self.delay:
@@ -157,3 +171,17 @@ class FaultProxy:
                 await writer.drain()
         except (ConnectionError, OSError):
             return
+
+    async def _message(self, reader: asyncio.StreamReader, replies: bool) -> bytes:
+        """One whole wire message (its int32 length first), swapped; b"" at the end."""
+        try:
+            head = await reader.readexactly(4)
+            data = head + await reader.readexactly(struct.unpack("<i", head)[0] - 4)
+        except asyncio.IncompleteReadError:
+            return b""
+        if self.swapped is None:
+            return data
+        server_bytes, client_bytes = self.swapped
+        return (
+            data.replace(server_bytes, client_bytes) if replies else data.replace(client_bytes, server_bytes)
+        )

@@ -1,0 +1,89 @@
+"""Claims whose reply is lost, with real ``taskrunner worker`` processes: the embedded
+server's test-only fault ``{"taskrunnerFault": "loseReplies", "every": N}`` applies every
+Nth write and then closes its connection without replying (docs/embedded-server.md), as a
+network failure after MongoDB applied a write does. ``update_many`` (a batched claim) is
+not a retryable write anywhere, and a findAndModify's retry can fail too: each worker reads
+back what its claim's run ids landed and runs or releases it, so no task is stranded and
+no failure budget is spent by the fault.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+from pymongo import errors as pe
+from workers import WorkerPool, WorkerProcess
+
+from taskrunner import TaskRunner, TaskState
+from taskrunner.dev.server import EmbeddedServer
+from taskrunner.testing import wait_for
+
+pytestmark = pytest.mark.mongo
+
+FAULTS_APP = "apps.faults_app:runner"
+NEEDS_FAULT = "needs the loseReplies fault (the embedded server's taskrunnerFault command)"
+TASKS = 60
+
+
+@pytest.fixture
+async def own_server(embedded_uri: str) -> AsyncIterator[EmbeddedServer]:
+    """A private embedded server (on this test's loop) whose replies a test may lose."""
+    async with EmbeddedServer() as server:
+        yield server
+
+
+async def fault(uri: str, mode: str, **options: Any) -> None:
+    """Set the embedded server's test-only fault; skip the test where the server has none."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri)
+    try:
+        await client.admin.command({"taskrunnerFault": mode, **options})
+    except pe.OperationFailure as exc:
+        pytest.skip(f"{NEEDS_FAULT}: {exc}")
+    finally:
+        await client.close()
+
+
+async def started(*workers: WorkerProcess) -> None:
+    await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
+
+
+async def succeeded(runner: TaskRunner) -> bool:
+    return await runner.store.count(state=TaskState.SUCCESS) == TASKS
+
+
+@pytest.mark.timeout(600)  # bounded by the waits inside, which leave a busy host room
+async def test_lost_claim_replies_strand_nothing_and_spend_no_budget(
+    own_server: EmbeddedServer, collection_name: str, tmp_path: Path
+) -> None:
+    """Every 5th write's reply lost while 3 workers (batched claims of up to 8) run 60 tasks
+    that allow one failure: all SUCCESS, each handler started once, no failure counted."""
+    await fault(own_server.uri, "off")
+    async with TaskRunner(own_server.uri, collection=collection_name) as runner:
+        await runner.init()
+        with WorkerPool(own_server.uri, collection_name, tmp_path, app=FAULTS_APP) as pool:
+            workers = pool.start_many(["l1", "l2", "l3"], "--concurrency", "8", "--batch", "8")
+            await started(*workers)
+            await fault(own_server.uri, "loseReplies", every=5)
+            try:
+                options = {"max_failures": 1, "ping_interval": 0.3, "ping_timeout": 2}
+                await runner.publish_many(
+                    [
+                        {"name": "nap", "key": f"t{i:02d}", "params": {"seconds": 0.05}, "options": options}
+                        for i in range(TASKS)
+                    ]
+                )
+                await wait_for(lambda: succeeded(runner), 120, f"{TASKS} successes", interval=0.2)
+            finally:
+                await fault(own_server.uri, "off")
+            starts = Counter(m["key"] for m in pool.marks(event="start"))
+            recovered = [e for w in workers for e in w.find("claims recovered after a lost reply")]
+            assert all(w.alive() for w in workers)
+        tasks = await runner.store.find()
+    assert starts == Counter(f"t{i:02d}" for i in range(TASKS))
+    assert [t.failures for t in tasks] == [0] * TASKS
+    print(f"claims recovered after a lost reply: {len(recovered)} times")
