@@ -50,6 +50,7 @@ class Hub:
         self.changes = 0
         """How many changes the hub has seen (pages' cached reads compare it)."""
         self._newest: tuple[datetime, str] | None = None  # what polling saw last
+        self._missed = False  # changes may have gone unseen since the last stream: pages read anew
         self._keys: dict[Any, str] = {}  # task keys by document _id, learned from inserts and replacements
         self._ends = StreamEnds(log, "dashboard")
         self._failing = Outage(
@@ -89,19 +90,22 @@ class Hub:
             try:
                 await self._follow()
             except ChangeStreamEnded as exc:
-                self.publish(REREAD)  # what changed since the stream ended is not known
+                self._missed = True
                 if not self._ends.ended(exc):
                     await self._poll(self._failing.failed(exc))
             except StoreUnavailable as exc:
-                await asyncio.sleep(self._server.failed(exc))  # server away: reopen (pages show the gap)
+                self._missed = True
+                await asyncio.sleep(self._server.failed(exc))
             except StoreError as exc:  # no change streams here, not allowed, getMores failing
+                self._missed = True
                 await self._poll(self._failing.failed(exc))
 
     async def _follow(self) -> None:
         stream = await self.store.watch(summary=True)
         try:
             self._server.ok()
-            if self._failing.failures:  # changes while polling may have been missed
+            if self._missed:  # open first, then tell the pages: no change falls in between
+                self._missed = False
                 self.publish(REREAD)
             while True:
                 event = await stream.next(POLL_SECONDS)
