@@ -463,13 +463,17 @@ async def test_workers_whose_streams_the_server_ends_carry_on(
             await wait_for(lambda: all(w.find("change stream opened") for w in workers), 60, "streams")
             await runner.publish("nap", {"seconds": 6}, key="long", **LEASE)
             await wait_for(lambda: pool.marks(key="long", event="start"), 60, "the long task to start")
-            assert await ender.end() >= 4  # each worker's task and limits streams
+            # Each worker's task and limits streams (the same numbers of lines are expected).
+            ends = {
+                stream: await ender.end(f"taskrunner.{collection_name}{suffix}")
+                for stream, suffix in (("tasks", ""), ("limits", ".limits"))
+            }
             # A worker that spins on the ended stream freezes: its run never finishes.
             await wait_for(lambda: pool.marks(key="long", event="finish"), 30, "the long task to finish")
             await wait_for(
-                lambda: all(ended(w.logs(), "tasks") and ended(w.logs(), "limits") for w in workers),
+                lambda: all(sum(len(ended(w.logs(), s)) for w in workers) >= n for s, n in ends.items()),
                 30,
-                "every worker to log its streams' ends",
+                "the workers to log their streams' ends",
             )
             keys = [f"after{i}" for i in range(5)]
             for key in keys:
@@ -490,8 +494,13 @@ async def test_workers_whose_streams_the_server_ends_carry_on(
     assert [m["event"] for m in long] == ["start", "finish"] and len({m["run_id"] for m in long}) == 1
     assert len((await _task(embedded_uri, collection_name, "long")).workers) == 1
     assert sorted(m["key"] for m in marks if m["event"] == "start" and m["key"] != "long") == keys
+    # Once per end: as many lines as streams ended, one per stream and worker. (A worker that
+    # reopened its task stream for new peers just then has no stream to end: rarely 1 of 2.)
+    assert ends["limits"] == 2 and ends["tasks"] >= 1, ends
+    for stream, n in ends.items():
+        lines_per_worker = [len(ended(lines, stream)) for lines in logs.values()]
+        assert sum(lines_per_worker) == n and max(lines_per_worker) == 1, (stream, lines_per_worker)
     for worker_id, lines in logs.items():
-        assert (len(ended(lines, "tasks")), len(ended(lines, "limits"))) == (1, 1), worker_id
         assert not [e for e in lines if e.get("level") in ("error", "critical")], worker_id
 
 
