@@ -99,11 +99,11 @@ class StreamEnder:
                 answer.exception()
             self._ending.discard(cursor_id)
             cursor = bridge._cursors.get(cursor_id)
-            if cursor is None:  # killed meanwhile
-                raise streams._cursor_not_found(cursor_id)
-            token = streams._post_batch_token(cursor.stream)
+            if cursor is None:  # killed meanwhile: the bridge says so
+                again: dict[str, Any] = await get_more(bridge, command)
+                return again
             bridge.kill([cursor_id])
-            batch = {"nextBatch": [], "id": BsonInt64(0), "ns": cursor.ns, "postBatchResumeToken": token}
-            return {"cursor": batch, "ok": 1.0}
+            # No postBatchResumeToken: a stream that ended is not resumed, whatever its token.
+            return {"cursor": {"nextBatch": [], "id": BsonInt64(0), "ns": cursor.ns}, "ok": 1.0}
 
         monkeypatch.setattr(streams.ChangeStreams, "get_more", ending_get_more)
