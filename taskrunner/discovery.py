@@ -10,10 +10,14 @@ leases, tasks another worker should have claimed, anything written while no stre
 was open (at start and after lost history). A document no model reads, from either,
 is normalized (``Store.normalize``): given its defaults and considered, or marked FAIL.
 
-A stream that keeps failing for any reason (no change streams on the server, not
-authorized, getMores erroring) degrades the worker to polling: one warning, sweeps
-every ``poll_interval``, and the stream retried with capped backoff. A server that
-is away altogether is one error line per outage and quiet jittered retries.
+A stream the server ends (MongoDB does after an invalidate: the collection or its
+database dropped or renamed) is reopened at once without its resume token, and a sweep
+covers what was written meanwhile; the worker logs ``change stream ended`` once
+(``taskrunner.follow``). A stream that keeps failing for any reason (no change streams
+on the server, not authorized, getMores erroring, ending again at once) degrades the
+worker to polling: one warning, sweeps every ``poll_interval``, and the stream retried
+with capped backoff. A server that is away altogether is one error line per outage and
+quiet jittered retries.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from typing import Any
 
 import structlog
 
-from taskrunner.errors import ChangeHistoryLost, StoreError, StoreUnavailable, TaskNotFound, TaskRunnerError
+from taskrunner.errors import (
+    ChangeHistoryLost,
+    ChangeStreamEnded,
+    StoreError,
+    StoreUnavailable,
+    TaskNotFound,
+    TaskRunnerError,
+)
+from taskrunner.follow import StreamEnds
 from taskrunner.models import Task
 from taskrunner.outage import Outage
 from taskrunner.redact import redact
@@ -78,6 +90,7 @@ class Discovery:
             base=1.0,
             cap=MAX_STREAM_RETRY,
         )
+        self._ends = StreamEnds(log, "tasks")
         self._reported: dict[str | None, str] = {}
         self.unsettled: list[Unreadable] = []
         """Unreadable documents heard of on the stream, normalized before the next event."""
@@ -156,6 +169,10 @@ class Discovery:
             except ChangeHistoryLost:
                 log.info("change stream history lost; sweeping")
                 self._token = None
+            except ChangeStreamEnded as exc:
+                self._token = None  # a new stream, and a sweep for what it did not see
+                if not self._ends.ended(exc):
+                    await self._degrade(stop, exc)
             except StoreUnavailable as exc:
                 await _pause(stop, self._server.failed(exc))
             except StoreError as exc:  # unsupported, unauthorized, getMores failing, ...
@@ -187,6 +204,7 @@ class Discovery:
 
     def _opened(self) -> None:
         self._stream_outage.ok()
+        self._ends.worked()
         self.polling = False
 
     async def _degrade(self, stop: asyncio.Event, exc: StoreError) -> None:

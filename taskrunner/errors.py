@@ -22,6 +22,7 @@
         ├── DuplicateKey                a unique index refused an insert: another writer was first
         ├── PartialBulkWrite            some writes of one bulk write failed; each one's error
         ├── ChangeHistoryLost           a change stream cannot resume; rescan
+        ├── ChangeStreamEnded           the server ended a change stream; open a new one, rescan
         └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
     Fail (Exception)                    raised by a handler: FAIL now, never retried
@@ -182,6 +183,22 @@ class PartialBulkWrite(StoreError):
 
 class ChangeHistoryLost(StoreError):
     """The change stream cannot resume from its token: rescan the collection."""
+
+
+class ChangeStreamEnded(StoreError):
+    """The server ended a change stream: after an invalidate (the watched collection or
+    database was dropped or renamed) MongoDB closes the stream's cursor, even when the
+    stream's ``$match`` hides the invalidate event. Nothing more comes from it, and it cannot
+    be resumed (MongoDB refuses a resume after an invalidate): open a new stream without
+    its token and read again what it followed. ``reason`` says how it ended."""
+
+    INVALIDATED = "invalidate event"
+    CURSOR_CLOSED = "cursor closed by the server"
+    CLOSED = "closed by this process"
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"change stream ended: {reason}")
 
 
 class ChangeStreamsUnsupported(StoreError):

@@ -95,6 +95,10 @@ OPERATION_TYPE: Final = "operationType"
 FULL_DOCUMENT: Final = "fullDocument"
 UPDATE_DESCRIPTION: Final = "updateDescription"
 UPDATED_FIELDS: Final = "updatedFields"
+DOCUMENT_KEY: Final = "documentKey"
+"""The changed document's ``_id`` (in every insert, update, replace and delete event)."""
+INVALIDATE: Final = "invalidate"
+"""The ``operationType`` of the event that ends a stream (collection or database dropped or renamed)."""
 
 
 # -- server replies the start-up check reads (hello, buildInfo, connectionStatus; preflight.py) --

@@ -16,27 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from taskrunner.errors import ChangeStreamsUnsupported, InvalidTask, StoreError
+from taskrunner.errors import ChangeStreamEnded, InvalidTask, StoreError, StoreUnavailable
+from taskrunner.follow import Reading, StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
-
-if TYPE_CHECKING:
-    from taskrunner.store.base import ChangeStream
 
 log = structlog.get_logger("taskrunner.limits")
 ALL = "*"
 """The ``_id`` whose document pauses every task name (``taskrunner pause --all``)."""
 POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents without a stream
 RECHECK = 30.0  # seconds between reads while following the stream (a missed event costs no more)
+MAX_STREAM_RETRY = 60.0  # seconds between attempts to reopen a stream that keeps failing
 
 
 class GateThrottle(BaseModel):
@@ -171,6 +171,16 @@ class LimitWatch:
         """Gates of ``limit_by`` values a handler's ``RateLimited`` holds back, until when."""
         self.follow = True
         """Whether to follow the change stream (False: the start-up check found none; poll)."""
+        self._reading: Reading | None = None
+        self._retry_at = 0.0  # monotonic time before which a failing stream is not retried
+        self._ends = StreamEnds(log, "limits")
+        self._stream_outage = Outage(
+            log,
+            "limits change stream failing; reading the limits every 0.5 s instead while retrying it",
+            "limits change stream recovered",
+            base=1.0,
+            cap=MAX_STREAM_RETRY,
+        )
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
@@ -200,34 +210,68 @@ class LimitWatch:
                 self.on_limits(limits)
 
     async def run(self, stop: asyncio.Event, outage: Outage) -> None:
-        stream: ChangeStream | None = None
-        follow = self.follow  # False once the server says it has no change streams
-        while not stop.is_set():
-            try:
-                if stream is None and follow:
-                    stream = await self.store.watch_limits()  # opened before the read: nothing slips by
-                await self.refresh()
-                outage.ok()
-                await self._wait(stream, stop)
-            except StoreError as exc:
-                follow = follow and not isinstance(exc, ChangeStreamsUnsupported)
-                if stream is not None:
-                    with suppress(StoreError):
-                        await stream.close()
-                    stream = None
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), outage.failed(exc) if follow else POLL_INTERVAL)
-        if stream is not None:
-            with suppress(StoreError):
-                await stream.close()
+        """Read the documents, then again on every change, until ``stop``; ``outage`` logs
+        a server that is away. A stream the server ends is reopened at once (and the
+        documents read again); one that keeps failing degrades to polling, as a worker's
+        task stream does (``taskrunner.follow``)."""
+        try:
+            while not stop.is_set():
+                await self._step(stop, outage)
+        finally:
+            await self._drop_stream()
 
-    async def _wait(self, stream: ChangeStream | None, stop: asyncio.Event) -> None:
-        """Until something may have changed: an event, a throttle's end, or the recheck."""
-        limit = RECHECK if stream is not None else POLL_INTERVAL * random.uniform(0.8, 1.0)
+    async def _step(self, stop: asyncio.Event, outage: Outage) -> None:
+        """Open the stream if due (before the read: nothing slips by), read, wait."""
+        if self._reading is None and self.follow and time.monotonic() >= self._retry_at:
+            try:
+                self._reading = Reading(await self.store.watch_limits(), RECHECK)
+            except StoreUnavailable:
+                pass  # the read below fails too, and says so once per outage
+            except StoreError as exc:
+                self._degrade(exc)
+        try:
+            await self.refresh()
+        except StoreError as exc:
+            await self._drop_stream()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), outage.failed(exc))
+            return
+        outage.ok()
+        try:
+            await self._wait(stop)
+        except ChangeStreamEnded as exc:
+            await self._drop_stream()
+            if not self._ends.ended(exc):
+                self._degrade(exc)
+        except StoreUnavailable:
+            await self._drop_stream()  # the next read says whether the server is away
+        except StoreError as exc:
+            await self._drop_stream()
+            self._degrade(exc)
+
+    def _degrade(self, exc: StoreError) -> None:
+        """Poll (read every ``POLL_INTERVAL``) and retry the stream with capped backoff."""
+        self._retry_at = time.monotonic() + self._stream_outage.failed(exc)
+
+    async def _drop_stream(self) -> None:
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            await reading.close()
+            with suppress(StoreError):
+                await reading.stream.close()
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        """Until something may have changed: an event, a throttle's end, or the recheck.
+        The stream's read outlives a wait cut short by a throttle's end (``Reading``)."""
+        reading = self._reading
+        limit = RECHECK if reading is not None else POLL_INTERVAL * random.uniform(0.8, 1.0)
         if self._throttle_ends is not None:
             limit = min(limit, max(0.0, self._throttle_ends - self.now().timestamp()) + 0.01)
-        if stream is None:
+        if reading is None:
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), limit)
             return
-        await stream.next(limit)
+        done, _ = await reading.until(limit)
+        if done:  # the stream answered: it works
+            self._stream_outage.ok()
+            self._ends.worked()

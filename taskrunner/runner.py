@@ -12,11 +12,13 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import structlog
 from pydantic import ValidationError
 
 from taskrunner import fields as f
 from taskrunner import preflight
 from taskrunner.errors import (
+    ChangeStreamEnded,
     InvalidSchedule,
     InvalidTask,
     ScheduleNotFound,
@@ -26,6 +28,7 @@ from taskrunner.errors import (
     UnknownTaskName,
     WaitTimeout,
 )
+from taskrunner.follow import StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
+log = structlog.get_logger("taskrunner.runner")
 H = TypeVar("H", bound=Callable[..., Any])
 Duration = float | int | timedelta
 DEFAULT_URI = "mongodb://localhost:27017"
@@ -286,7 +290,8 @@ class TaskRunner:
         ``await task.wait(timeout)`` on a task this runner returned does the same.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        stream = await self._watch_quietly(key)
+        following = _Following(self.store, key)
+        await following.open()
         try:
             task = await self.store.get(key)
             while not task.state.finished:
@@ -294,30 +299,10 @@ class TaskRunner:
                 if remaining is not None and remaining <= 0:
                     raise WaitTimeout(key, timeout or 0.0, task.bound(self))
                 step = poll_interval if remaining is None else min(poll_interval, remaining)
-                task = await self._next_version(key, stream, step)
+                task = await following.next_version(step)
             return task.bound(self)
         finally:
-            if stream is not None:
-                with suppress(StoreError):
-                    await stream.close()
-
-    async def _watch_quietly(self, key: str) -> ChangeStream | None:
-        try:
-            return await self.store.watch(key=key)
-        except StoreUnavailable:
-            raise  # an unreachable server fails now, not after a second server timeout
-        except StoreError:
-            return None  # no change streams here: polling alone still honours the timeout
-
-    async def _next_version(self, key: str, stream: ChangeStream | None, wait: float) -> Task:
-        if stream is not None:
-            with suppress(StoreError):
-                event = await stream.next(wait)
-                if event is not None and event.task is not None:
-                    return event.task
-                return await self.store.get(key)
-        await asyncio.sleep(wait)
-        return await self.store.get(key)
+            await following.close()
 
     async def cancel(self, key: str) -> Task:
         """Cancel a task: a pending one never starts; running handlers are cancelled at
@@ -556,3 +541,48 @@ def _check_option_names(options: Mapping[str, Any]) -> None:
     for field in options:
         if field not in OPTION_NAMES:
             raise InvalidTask(f"options.{field}", f"unknown option {field!r}")
+
+
+class _Following:
+    """``wait``'s view of one task: its change stream (``Store.watch(key=...)``), and a read
+    of the task at least every step. A stream the server ends is reopened at once, the task
+    read again, and the end logged once (``taskrunner.follow``); without a stream (none on
+    the server, or it cannot be followed) the reads alone still honour the timeout."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store, self.key = store, key
+        self.stream: ChangeStream | None = None
+        self._ends = StreamEnds(log, "wait", key=key)
+
+    async def open(self) -> None:
+        try:
+            self.stream = await self.store.watch(key=self.key)
+        except StoreUnavailable:
+            raise  # an unreachable server fails now, not after a second server timeout
+        except StoreError:
+            self.stream = None  # no change streams here: polling alone still honours the timeout
+
+    async def next_version(self, wait: float) -> Task:
+        """The task after its next state change, or as stored after ``wait`` seconds."""
+        if self.stream is None:
+            await asyncio.sleep(wait)
+            return await self.store.get(self.key)
+        try:
+            event = await self.stream.next(wait)
+        except ChangeStreamEnded as exc:
+            await self.close()
+            if self._ends.ended(exc):
+                await self.open()  # a new stream, then the read below covers the gap
+        except StoreError:
+            await asyncio.sleep(wait)  # a failing getMore: this step polls (PyMongo resumes the stream)
+        else:
+            self._ends.worked()
+            if event is not None and event.task is not None:
+                return event.task
+        return await self.store.get(self.key)
+
+    async def close(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with suppress(StoreError):
+                await stream.close()

@@ -93,7 +93,13 @@ class NoStreams(MemoryStore):
     """A store whose server has no change streams, like a standalone mongod."""
 
     async def watch(
-        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None, owned: Any = None
+        self,
+        *,
+        resume_after: Any = None,
+        key: str | None = None,
+        work_for: Any = None,
+        owned: Any = None,
+        summary: bool = False,
     ) -> ChangeStream:
         raise ChangeStreamsUnsupported("$changeStream is only supported on replica sets")
 
@@ -194,12 +200,20 @@ class ForgetfulStore(MemoryStore):
     lost = False
 
     async def watch(
-        self, *, resume_after: Any = None, key: str | None = None, work_for: Any = None, owned: Any = None
+        self,
+        *,
+        resume_after: Any = None,
+        key: str | None = None,
+        work_for: Any = None,
+        owned: Any = None,
+        summary: bool = False,
     ) -> ChangeStream:
         if resume_after is not None and not self.lost:
             self.lost = True
             self._events.clear()
-        return await super().watch(resume_after=resume_after, key=key, work_for=work_for, owned=owned)
+        return await super().watch(
+            resume_after=resume_after, key=key, work_for=work_for, owned=owned, summary=summary
+        )
 
 
 async def test_lost_history_leads_to_a_sweep_and_no_stranded_task() -> None:

@@ -4,13 +4,17 @@ MongoStore on a real MongoDB when TASKRUNNER_TEST_MONGO_URI is set."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 import runs
+from pymongo import monitoring
 from pymongo.errors import WriteError
+from scratch import TEST_MONGO_URI
+from stream_ends import StreamEnder
 
 from taskrunner import (
     MalformedTask,
@@ -22,7 +26,7 @@ from taskrunner import (
     TaskState,
     rules,
 )
-from taskrunner.errors import ChangeHistoryLost, ClaimLost, InvalidState, ScheduleNotFound
+from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, ClaimLost, InvalidState, ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules import declare
 from taskrunner.store.base import ChangeEvent, ChangeStream, Claimed, Failure, RunStatus, RunWrite, Store
@@ -1069,3 +1073,227 @@ async def test_a_gate_throttle_keeps_the_longest_end_and_drops_ended_ones(
     ends = {t.gate: t.until for t in state.throttled_gates}
     assert set(ends) == {'quick#"a"', 'quick#"c"'}
     assert ends['quick#"a"'] >= before + timedelta(seconds=29)
+
+
+# -- streams the server ends, and the streams of wait and the dashboard --------------------------
+STREAM_KINDS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "worker": {"work_for": ["job"]},
+    "key": {"key": "k"},
+    "summary": {"summary": True},
+}
+
+
+def _mongo_uri(request: pytest.FixtureRequest) -> str:
+    """The URI of the server behind the ``store`` fixture's MongoStore."""
+    if request.node.callspec.params.get("store") == "real":
+        return os.environ[TEST_MONGO_URI]
+    uri: str = request.getfixturevalue("embedded_uri")
+    return uri
+
+
+@pytest.fixture
+def end_streams(
+    request: pytest.FixtureRequest, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[], Awaitable[None]]:
+    """End every open change stream of ``store`` as the server does after an invalidate its
+    ``$match`` hides: MemoryStore's hook; the embedded server's fault; on a real MongoDB a
+    drop of the watched collections, which is what invalidates streams there."""
+    if isinstance(store, MemoryStore):
+        memory = store
+
+        async def hook() -> None:
+            memory.end_streams()
+
+        return hook
+    assert isinstance(store, MongoStore)
+    mongo = store
+    if request.node.callspec.params.get("store") == "real":
+
+        async def drop() -> None:
+            await mongo.collection.drop()
+            await mongo.limit_docs.drop()
+
+        return drop
+    ender = StreamEnder(_mongo_uri(request), monkeypatch)
+
+    async def fault() -> None:
+        assert await ender.end() > 0
+
+    return fault
+
+
+async def _ended(stream: ChangeStream) -> ChangeStreamEnded:
+    """The ``ChangeStreamEnded`` a stream raises once the server ended it (a look-alike may
+    need a getMore or two); fails if it keeps answering instead."""
+    for _ in range(20):
+        try:
+            await stream.next(0.5)
+        except ChangeStreamEnded as exc:
+            return exc
+    raise AssertionError("the stream never said it ended")
+
+
+async def test_a_stream_the_server_ends_raises_and_a_new_one_follows_on(
+    store: Store, end_streams: Callable[[], Awaitable[None]]
+) -> None:
+    """Once the server ends a stream (MongoDB closes its cursor after an invalidate, even one
+    the ``$match`` hides) every kind of stream raises ``ChangeStreamEnded`` (cursor closed)
+    on each ``next`` instead of returning None for ever; streams opened anew without a
+    token then deliver what follows."""
+    opened = {name: await store.watch(**options) for name, options in STREAM_KINDS.items()}
+    opened["limits"] = await store.watch_limits()
+    await publish(store, task("k"))
+    await store.pause("job", True)
+    for name, stream in opened.items():
+        event = await (next_events(stream, 1) if name != "limits" else _next_event(stream))
+        assert event, name
+    await end_streams()
+    for name, stream in opened.items():
+        assert (await _ended(stream)).reason == ChangeStreamEnded.CURSOR_CLOSED, name
+        with pytest.raises(ChangeStreamEnded):  # and again: an ended stream never answers None
+            await stream.next(0.5)
+        await stream.close()
+    fresh = {
+        name: await store.watch(**{**options, "key": "after"} if name == "key" else options)
+        for name, options in STREAM_KINDS.items()
+    }
+    fresh["limits"] = await store.watch_limits()
+    await publish(store, task("after"))
+    await store.pause("job", False)
+    for name, stream in fresh.items():
+        if name == "limits":
+            assert await _next_event(stream) is not None
+        else:
+            [event] = await next_events(stream, 1)
+            assert (event.kind, event.key) == ("insert", "after"), name
+        await stream.close()
+
+
+async def test_a_closed_stream_raises_on_next(store: Store) -> None:
+    """``next`` on a stream this process closed raises ``ChangeStreamEnded`` (closed) at once,
+    never returns None without waiting (a loop around it would spin)."""
+    for stream in [
+        *[await store.watch(**options) for options in STREAM_KINDS.values()],
+        await store.watch_limits(),
+    ]:
+        await stream.close()
+        with pytest.raises(ChangeStreamEnded) as ended:
+            await stream.next(5)
+        assert ended.value.reason == ChangeStreamEnded.CLOSED
+
+
+async def test_a_keys_stream_hears_its_arrival_state_changes_and_delete_only(
+    store: Store, elapse: Elapse
+) -> None:
+    """``watch(key=...)`` opened before the key exists hears its insert, then follows the
+    document: each state change (without the task: read it) and its delete, never a lease
+    renewal nor another task's change; a new document under the key is heard and followed."""
+    stream = await store.watch(key="k")
+    await publish(store, task("k", options={"ping_timeout": 30}), task("other", options={"ping_timeout": 30}))
+    claim, other = await store.claim("w1", key="k"), await store.claim("w1", key="other")
+    assert claim is not None and other is not None
+    await runs.ping(store, "k", claim.run_id)
+    await runs.ping(store, "other", other.run_id)
+    await runs.succeed(store, "other", other.run_id, 1)
+    await runs.succeed(store, "k", claim.run_id, 1)
+    await elapse(1)
+    assert await store.purge([TaskState.SUCCESS], 0.5) == 2
+    await publish(store, task("k"))
+    assert await store.claim("w2", key="k") is not None
+    events = await next_events(stream, 6)
+    assert await stream.next(0.3) is None
+    await stream.close()
+    heard = [(e.kind, e.key, e.state, e.task.state.value if e.task else None) for e in events]
+    assert heard == [
+        ("insert", "k", None, "PENDING"),
+        ("update", "k", "RUNNING", None),
+        ("update", "k", "SUCCESS", None),
+        ("delete", "k", None, None),
+        ("insert", "k", None, "PENDING"),
+        ("update", "k", "RUNNING", None),
+    ]
+    assert events[1].doc_id is not None and events[1].doc_id == events[3].doc_id != events[5].doc_id
+
+
+async def test_a_summary_stream_says_each_change_without_documents(store: Store, elapse: Elapse) -> None:
+    """``watch(summary=True)``: an insert carries its key, ``_id`` and state; an update only
+    the ``_id`` and the state it wrote (none for a renewal); a delete the ``_id``; no event
+    carries a task, so nothing had to be looked up."""
+    stream = await store.watch(summary=True)
+    await publish(store, task("s", options={"ping_timeout": 30}))
+    claim = await store.claim("w1", key="s")
+    assert claim is not None
+    await runs.ping(store, "s", claim.run_id)
+    await runs.succeed(store, "s", claim.run_id, 1)
+    await elapse(1)
+    assert await store.purge([TaskState.SUCCESS], 0.5) == 1
+    events = await next_events(stream, 5)
+    await stream.close()
+    assert [(e.kind, e.key, e.state) for e in events] == [
+        ("insert", "s", "PENDING"),
+        ("update", None, "RUNNING"),
+        ("update", None, None),
+        ("update", None, "SUCCESS"),
+        ("delete", None, None),
+    ]
+    assert events[0].doc_id is not None and {e.doc_id for e in events} == {events[0].doc_id}
+    assert all(e.task is None for e in events)
+
+
+class _Aggregates(monitoring.CommandListener):
+    """Records every ``aggregate`` command a client sends."""
+
+    def __init__(self) -> None:
+        self.commands: list[dict[str, Any]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "aggregate":
+            self.commands.append(dict(event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+async def test_wait_and_dashboard_streams_ask_for_no_lookup_and_wait_matches_the_id(
+    store: Store, request: pytest.FixtureRequest
+) -> None:
+    """A key's stream and a summary stream ask for no post-image lookup, and a key's
+    ``$match`` names the document's ``_id``: MongoDB applies it while reading the oplog, so
+    a waiting client costs no lookup per update of other tasks (a ``fullDocument.key``
+    match runs after the lookup of every update)."""
+    if not isinstance(store, MongoStore):
+        pytest.skip("the pipeline a MongoDB server is sent")
+    listener = _Aggregates()
+    listened = MongoStore.connect(
+        _mongo_uri(request),
+        database=store.collection.database.name,
+        collection=store.collection.name,
+        event_listeners=[listener],
+    )
+    try:
+        await publish(store, task("k"))
+        found = await store.collection.find_one({"key": "k"})
+        assert found is not None
+        for options in ({"key": "k"}, {"summary": True}):
+            await (await listened.watch(**options)).close()
+    finally:
+        await listened.close()
+    key_stream, summary_stream = listener.commands
+    for command in (key_stream, summary_stream):
+        assert command["pipeline"][0]["$changeStream"].get("fullDocument", "default") == "default"
+    assert found["_id"] in _values_at(key_stream["pipeline"][1]["$match"], "documentKey._id")
+
+
+def _values_at(match: Any, path: str) -> list[Any]:
+    """Every value a ``$match`` (its ``$or`` and ``$and`` branches too) compares ``path`` with."""
+    if isinstance(match, list):
+        return [v for branch in match for v in _values_at(branch, path)]
+    if not isinstance(match, dict):
+        return []
+    return [v for k, v in match.items() if k == path] + [
+        v for k, branch in match.items() if k in ("$or", "$and") for v in _values_at(branch, path)
+    ]

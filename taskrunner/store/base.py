@@ -94,7 +94,11 @@ class ChangeEvent:
 
     On a worker's stream (``watch(work_for=...)``) an update carries no task either: it is
     a *wake* (``wake`` True), saying some task may be claimable from ``wake_at`` on (when
-    the update says; else now), without saying which."""
+    the update says; else now), without saying which. On a key's stream (``watch(key=...)``)
+    an update carries no task: it says the task's state changed (read it). On a summary
+    stream (``watch(summary=True)``) no event carries a task: each has the document's
+    ``doc_id`` and, where the change wrote one, ``state``; only inserts and replacements
+    carry the ``key``."""
 
     kind: EventKind
     key: str | None
@@ -103,6 +107,8 @@ class ChangeEvent:
     problem: str | None = None
     wake: bool = False
     wake_at: datetime | None = None
+    doc_id: Any = None
+    state: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +189,20 @@ class Listed:
 
 class ChangeStream(Protocol):
     """An open stream of change events. Open it before scanning: then nothing written
-    during the scan is missed (a write lands either before the scan reads or in the stream)."""
+    during the scan is missed (a write lands either before the scan reads or in the stream).
+
+    The server may end a stream (MongoDB does after an invalidate: the collection or its
+    database dropped or renamed); ``next`` then raises ``ChangeStreamEnded``, never returns
+    None at once for ever. Open a new stream without this one's token and read again what
+    it followed (``taskrunner.follow``)."""
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
         """Where a new stream resumes to continue exactly after what this one returned."""
 
     async def next(self, wait: float) -> ChangeEvent | None:
-        """The next event, or None when none arrives within ``wait`` seconds."""
+        """The next event, or None when none arrives within ``wait`` seconds; raises
+        ``ChangeStreamEnded`` once the stream ended (or was closed)."""
 
     async def close(self) -> None: ...
 
@@ -371,7 +383,9 @@ class Store(Protocol):
 
     async def watch_limits(self) -> ChangeStream:
         """A stream whose events say only that some limits document changed (workers then
-        read them again); raises ``ChangeStreamsUnsupported`` when the server has none."""
+        read them again); raises ``ChangeStreamsUnsupported`` when the server has none.
+        Its ``next`` may wait for the server longer than asked (a getMore's await): await
+        it across several waits rather than cancel it (``taskrunner.follow.Reading``)."""
 
     async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
         """Start no task of ``name`` for ``seconds`` from server now (``RateLimited``); a
@@ -406,12 +420,25 @@ class Store(Protocol):
         key: str | None = None,
         work_for: Sequence[str] | None = None,
         owned: Mapping[str, Sequence[int]] | None = None,
+        summary: bool = False,
     ) -> ChangeStream:
-        """Open a stream of change events in commit order (only ``key``'s if given),
-        resumable from a token. ``work_for`` (task names) makes it a worker's stream:
-        only inserts of those names and wakes (``rules.wakes``), filtered by the server;
-        ``owned`` narrows the inserts of a name to the buckets listed for it
-        (``rules.hears_insert``). Resuming with other ``owned`` buckets loses nothing.
+        """Open a stream of change events in commit order, resumable from a token; every
+        event carries its task (a MongoDB server looks each update's document up).
+
+        ``key``: that task's stream, for ``wait``: its inserts and replacements (with the
+        task), its deletes, and its updates that change ``state`` (without the task). The
+        server filters by the document's ``_id`` (read when the stream opens; a key not yet
+        published is matched by its insert, then followed by its ``_id``), so it looks no
+        document up and skips every other task's updates and this task's lease renewals.
+
+        ``work_for`` (task names) makes it a worker's stream: only inserts of those names
+        and wakes (``rules.wakes``), filtered by the server; ``owned`` narrows the inserts
+        of a name to the buckets listed for it (``rules.hears_insert``). Resuming with
+        other ``owned`` buckets loses nothing.
+
+        ``summary``: every change, with no document looked up (the dashboard's): each
+        event's ``doc_id`` and the ``state`` it wrote; inserts and replacements also their
+        ``key``.
 
         Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
         ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
@@ -22,6 +23,7 @@ from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import (
     ChangeHistoryLost,
+    ChangeStreamEnded,
     ClaimLost,
     InvalidSchedule,
     InvalidState,
@@ -51,6 +53,8 @@ from taskrunner.store.base import (
 )
 
 Doc = dict[str, Any]
+_Change = tuple[int, EventKind, str | None, Doc | None, Doc | None, Any]
+"""One change: sequence, kind, key, document after, top-level fields an update changed, ``_id``."""
 
 
 _IMMUTABLE = (str, int, float, bool, bytes, datetime, ObjectId, type(None))
@@ -101,8 +105,7 @@ class MemoryStore:
     def __init__(self, *, clock: Callable[[], datetime] = _utcnow, history: int = 10_000) -> None:
         self._docs: dict[str, Doc] = {}
         self._clock = clock
-        # (sequence, kind, key, document after, top-level fields an update changed)
-        self._events: list[tuple[int, EventKind, str | None, Doc | None, Doc | None]] = []
+        self._events: list[_Change] = []
         self._images: dict[str, Doc] = {}  # each key's last emitted document, to diff updates against
         self._seq = 0
         self._history = history
@@ -113,6 +116,7 @@ class MemoryStore:
         self._limits_version = 0
         self._gates: dict[str, Doc] = {}
         self._limits_changed = asyncio.Event()
+        self._streams: weakref.WeakSet[_MemoryChangeStream | _LimitsStream] = weakref.WeakSet()
 
     # -- test helpers ---------------------------------------------------------------
     def insert_document(self, doc: Doc) -> None:
@@ -130,6 +134,18 @@ class MemoryStore:
     def documents(self) -> list[Doc]:
         """Copies of every stored task document, in insertion order."""
         return [_clone(doc) for doc in self._docs.values()]
+
+    def end_streams(self) -> int:
+        """End every open change stream as MongoDB ends one after an invalidate hidden by
+        its ``$match``: each delivers what was written before, then its ``next`` raises
+        ``ChangeStreamEnded`` (cursor closed by the server). Streams opened later are
+        unaffected. Returns how many ended."""
+        streams = list(self._streams)
+        for stream in streams:
+            stream.end()
+        self._changed.set()
+        self._limits_changed.set()
+        return len(streams)
 
     # -- Store --------------------------------------------------------------------
     async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
@@ -517,7 +533,9 @@ class MemoryStore:
         self._limit_written()
 
     async def watch_limits(self) -> ChangeStream:
-        return _LimitsStream(self)
+        stream = _LimitsStream(self)
+        self._streams.add(stream)
+        return stream
 
     async def set_limits(self, name: str, changes: Mapping[str, Any], *, clear: bool = False) -> LimitState:
         doc = self._limits.setdefault(name, {f.ID: name})
@@ -571,9 +589,11 @@ class MemoryStore:
         key: str | None = None,
         work_for: Sequence[str] | None = None,
         owned: Mapping[str, Sequence[int]] | None = None,
+        summary: bool = False,
     ) -> ChangeStream:
-        stream = _MemoryChangeStream(self, self._position_after(resume_after), key, work_for, owned)
+        stream = _MemoryChangeStream(self, self._position_after(resume_after), key, work_for, owned, summary)
         stream.check_history()
+        self._streams.add(stream)
         return stream
 
     def _position_after(self, token: Mapping[str, Any] | None) -> int:
@@ -594,10 +614,11 @@ class MemoryStore:
         key = key if doc is None else doc.get(f.KEY)
         image = str(key)
         before = self._images.pop(image, None)
+        doc_id = (snapshot or before or {}).get(f.ID)
         changed = rules.changed_fields(before, snapshot) if kind == "update" and before and snapshot else None
         if snapshot is not None:
             self._images[image] = snapshot
-        self._events.append((self._seq, kind, key, snapshot, changed))
+        self._events.append((self._seq, kind, key, snapshot, changed, doc_id))
         del self._events[: max(0, len(self._events) - self._history)]
         self._changed.set()
 
@@ -620,23 +641,30 @@ class _LimitsStream:
 
     def __init__(self, store: MemoryStore) -> None:
         self._store, self._seen = store, store._limits_version
+        self._ended: str | None = None
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
         return None
 
+    def end(self) -> None:
+        self._ended = self._ended or ChangeStreamEnded.CURSOR_CLOSED
+
     async def next(self, wait: float) -> ChangeEvent | None:
-        if self._store._limits_version == self._seen:
+        if self._store._limits_version == self._seen and self._ended is None:
             self._store._limits_changed.clear()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._store._limits_changed.wait(), wait)
+        if self._ended is not None:
+            raise ChangeStreamEnded(self._ended)
         if self._store._limits_version == self._seen:
             return None
         self._seen = self._store._limits_version
         return ChangeEvent("update", None, None, None)
 
     async def close(self) -> None:
-        return None
+        self._ended = self._ended or ChangeStreamEnded.CLOSED
+        self._store._streams.discard(self)
 
 
 class _MemoryChangeStream:
@@ -647,13 +675,16 @@ class _MemoryChangeStream:
         key: str | None,
         work_for: Sequence[str] | None,
         owned: Mapping[str, Sequence[int]] | None = None,
+        summary: bool = False,
     ) -> None:
         self._store = store
         self._position = position
         self._key = key
         self._work_for = None if work_for is None else frozenset(work_for)
         self._owned = None if owned is None else {name: frozenset(b) for name, b in owned.items()}
-        self._closed = False
+        self._summary = summary
+        self._ended: str | None = None
+        self._end_at: int | None = None  # the sequence number after which the server ended it
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
@@ -665,32 +696,67 @@ class _MemoryChangeStream:
         if self._position + 1 < first and self._position < self._store._seq:
             raise ChangeHistoryLost("change history lost: the resume token is older than the kept history")
 
+    def end(self) -> None:
+        if self._end_at is None:
+            self._end_at = self._store._seq
+
     async def next(self, wait: float) -> ChangeEvent | None:
         self.check_history()
         fresh = self._fresh()
-        if fresh is None:
+        if fresh is None and not self._over():
             # No await between the check above and clear(): no event can slip in between.
             self._store._changed.clear()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._store._changed.wait(), wait)
             self.check_history()
             fresh = self._fresh()
-        if fresh is None or self._closed:
+        if fresh is None:
+            if self._over():
+                self._ended = self._ended or ChangeStreamEnded.CURSOR_CLOSED
+                raise ChangeStreamEnded(self._ended)
             return None
-        seq, kind, key, doc, changed = fresh
-        self._position = seq
+        self._position = fresh[0]
+        return self._read(*fresh)
+
+    def _over(self) -> bool:
+        """Closed, or ended by the server with every event before its end delivered."""
+        return self._ended is not None or (self._end_at is not None and self._position >= self._end_at)
+
+    def _read(
+        self, seq: int, kind: EventKind, key: str | None, doc: Doc | None, changed: Doc | None, doc_id: Any
+    ) -> ChangeEvent:
+        token = {"_data": str(seq)}
         if self._work_for is not None and kind == "update":
+            return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed or {}))
+        if self._summary:  # as MongoStore's: nothing looked up, the key only where the event has the document
+            state = (
+                (doc or {}).get(f.STATE) if kind in ("insert", "replace") else (changed or {}).get(f.STATE)
+            )
             return ChangeEvent(
-                kind, None, None, {"_data": str(seq)}, wake=True, wake_at=rules.wake_at(changed or {})
+                kind,
+                key if kind in ("insert", "replace") and isinstance(key, str) else None,
+                None,
+                token,
+                doc_id=doc_id,
+                state=state if isinstance(state, str) else None,
+            )
+        if self._key is not None and kind in ("update", "delete"):  # a key's stream: read the task
+            state = (changed or {}).get(f.STATE)
+            return ChangeEvent(
+                kind, key, None, token, doc_id=doc_id, state=state if isinstance(state, str) else None
             )
         return self._store._event(seq, kind, key, doc)
 
-    def _fresh(self) -> tuple[int, EventKind, str | None, Doc | None, Doc | None] | None:
+    def _fresh(self) -> _Change | None:
+        if self._ended is not None:
+            return None
         events = self._store._events
         start = max(0, self._position + 1 - events[0][0]) if events else 0  # sequence numbers are contiguous
         for event in events[start:]:
             if event[0] <= self._position:
                 continue
+            if self._end_at is not None and event[0] > self._end_at:
+                return None  # written after the server ended this stream
             if self._wanted(event[1], event[2], event[3], event[4]):
                 return event
             self._position = event[0]  # filtered out, like a server-side $match
@@ -701,10 +767,13 @@ class _MemoryChangeStream:
             if kind in ("insert", "replace"):
                 return doc is not None and rules.hears_insert(doc, self._work_for, self._owned)
             return kind == "update" and changed is not None and rules.wakes(changed)
-        return self._key is None or (doc is not None and key == self._key)
+        if self._key is not None:  # as MongoStore's _key_match: arrivals, deletes, state changes
+            return key == self._key and (kind != "update" or f.STATE in (changed or {}))
+        return True
 
     async def close(self) -> None:
-        self._closed = True
+        self._ended = self._ended or ChangeStreamEnded.CLOSED
+        self._store._streams.discard(self)
 
 
 def _listed(doc: Doc, listing: Listing) -> bool:

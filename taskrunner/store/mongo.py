@@ -7,13 +7,15 @@ exceptions are translated to ``taskrunner.errors`` here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, cast
 
 import bson
@@ -28,6 +30,7 @@ from taskrunner import fields as f
 from taskrunner import rules
 from taskrunner.errors import (
     ChangeHistoryLost,
+    ChangeStreamEnded,
     ChangeStreamsUnsupported,
     ClaimLost,
     ClaimUnconfirmed,
@@ -81,6 +84,7 @@ RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument
 LENIENT = CODEC.with_options(unicode_decode_error_handler="replace")
 CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
+_INVALID_RESUME_TOKEN = 260  # e.g. resuming after an invalidate: only a new stream can follow on
 _DOCUMENT_INVALID = 121
 _DUPLICATE_KEY = 11000
 _NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
@@ -120,6 +124,9 @@ def mapped_errors() -> Iterator[None]:
             raise ChangeStreamsUnsupported(redact(str(exc))) from exc
         if exc.code in _HISTORY_LOST:
             raise ChangeHistoryLost(redact(str(exc))) from exc
+        if exc.code == _INVALID_RESUME_TOKEN:
+            message = "the change stream cannot resume from its token (after an invalidate, open a new one)"
+            raise ChangeHistoryLost(f"{message}: {redact(str(exc))}") from exc
         if exc.code == _DOCUMENT_INVALID:
             raise WriteRejected(f"the collection's validator rejected the write: {exc}") from exc
         raise StoreError(redact(str(exc))) from exc
@@ -803,8 +810,11 @@ class MongoStore:
         return readable_limit(doc)
 
     async def watch_limits(self) -> ChangeStream:
+        # Document changes only: a drop or rename of the collection ends the stream
+        # (ChangeStreamEnded), it is no change of a document.
+        pipeline = [{"$match": {f.OPERATION_TYPE: {"$in": _CHANGES}}}]
         with mapped_errors():
-            stream = await self.limit_docs.watch([], max_await_time_ms=_WORK_AWAIT_MS)
+            stream = await self.limit_docs.watch(pipeline, max_await_time_ms=_WORK_AWAIT_MS)
         return _MongoChangeStream(stream)
 
     async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
@@ -866,23 +876,24 @@ class MongoStore:
         key: str | None = None,
         work_for: Sequence[str] | None = None,
         owned: Mapping[str, Sequence[int]] | None = None,
+        summary: bool = False,
     ) -> ChangeStream:
+        if key is not None:
+            return await _KeyStream.open(self.collection, key, resume_after)
+        read = _event
         if work_for is not None:
             # A worker's stream: filtered by the server, no post-image lookups; it waits
             # long per getMore because an idle worker need not ask often.
             options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
             pipeline = [{"$match": x.work_match(list(work_for), owned)}]
+        elif summary:
+            options, pipeline, read = {"max_await_time_ms": _AWAIT_MS}, _SUMMARY_PIPELINE, _summary_event
         else:
-            match: Doc = {f.OPERATION_TYPE: {"$in": ["insert", "update", "replace", "delete"]}}
-            if key is not None:
-                match[f"{f.FULL_DOCUMENT}.{f.KEY}"] = key
-            options, pipeline = (
-                {"full_document": "updateLookup", "max_await_time_ms": _AWAIT_MS},
-                [{"$match": match}],
-            )
+            options = {"full_document": "updateLookup", "max_await_time_ms": _AWAIT_MS}
+            pipeline = [{"$match": {f.OPERATION_TYPE: {"$in": _CHANGES}}}]
         with mapped_errors():
             stream = await self.collection.watch(pipeline, resume_after=resume_after, **options)
-        return _MongoChangeStream(stream)
+        return _MongoChangeStream(stream, read)
 
     async def close(self) -> None:
         if self._owns_client:
@@ -928,10 +939,19 @@ def listed(docs: list[Doc], listing: Listing) -> Listed:
 
 
 class _MongoChangeStream:
-    """A PyMongo change stream; its resume token advances with every (even empty) batch."""
+    """A PyMongo change stream; its resume token advances with every (even empty) batch.
 
-    def __init__(self, stream: AsyncChangeStream[Doc]) -> None:
+    A stream the server ended raises ``ChangeStreamEnded``: MongoDB answers the getMore
+    after an invalidate with cursor id 0 (even when the ``$match`` hides the invalidate
+    event), and PyMongo's ``try_next`` then returns None at once, without I/O, for ever.
+    """
+
+    def __init__(
+        self, stream: AsyncChangeStream[Doc], read: Callable[[Doc], ChangeEvent | None] | None = None
+    ) -> None:
         self._stream = stream
+        self._read = read if read is not None else _event
+        self._ended: str | None = None
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
@@ -940,29 +960,169 @@ class _MongoChangeStream:
     async def next(self, wait: float) -> ChangeEvent | None:
         deadline = time.monotonic() + wait
         while True:
-            with mapped_errors():
-                change = await self._stream.try_next()
-            if change is not None:
-                return self._event(change)
+            change = await self._try_next()
+            event = None if change is None else await self._arrived(change)
+            if event is not None:
+                return event
             if time.monotonic() >= deadline:
                 return None
+            # Every pass yields to the event loop, whatever the driver did: a loop that
+            # waits on the store must never starve the worker's other tasks.
+            await asyncio.sleep(0)
+
+    async def _try_next(self) -> Doc | None:
+        """One change, or None after one getMore that brought none; raises once ended."""
+        if self._ended is not None:
+            raise ChangeStreamEnded(self._ended)
+        try:
+            with mapped_errors():
+                change = await self._stream.try_next()
+        except StoreError as exc:
+            if not self._stream.alive:  # PyMongo closes a stream after an error it cannot resume
+                self._ended = f"closed after an error ({exc})"
+            raise
+        if change is not None and change.get(f.OPERATION_TYPE) == f.INVALIDATE:
+            self._ended = ChangeStreamEnded.INVALIDATED
+        elif change is None and not self._stream.alive:
+            self._ended = ChangeStreamEnded.CURSOR_CLOSED
+        else:
+            return change
+        raise ChangeStreamEnded(self._ended)
+
+    async def _arrived(self, change: Doc) -> ChangeEvent | None:
+        return self._read(change)
 
     async def close(self) -> None:
+        self._ended = self._ended or ChangeStreamEnded.CLOSED
         with mapped_errors():
             await self._stream.close()
 
+
+class _KeyStream(_MongoChangeStream):
+    """One task's stream (``watch(key=...)``), matched by the document's ``_id`` so the
+    server skips every other task's changes while reading the oplog, before any lookup
+    (MongoDB 5.1 and later; see docs/compatibility.md). A new document under the key (its
+    first publish, or one after a delete) is matched by its insert, which carries the
+    document; the stream then reopens there to follow the new ``_id``."""
+
+    def __init__(
+        self, collection: AsyncCollection[Doc], key: str, doc_id: Any, stream: AsyncChangeStream[Doc]
+    ) -> None:
+        super().__init__(stream, partial(_key_event, key))
+        self._collection, self._key, self._doc_id = collection, key, doc_id
+
+    @classmethod
+    async def open(
+        cls, collection: AsyncCollection[Doc], key: str, resume_after: Mapping[str, Any] | None
+    ) -> _KeyStream:
+        with mapped_errors():
+            found = await collection.find_one({f.KEY: key}, projection={f.ID: 1})
+        doc_id = found[f.ID] if found is not None else None
+        return cls(collection, key, doc_id, await cls._watch(collection, key, doc_id, resume_after))
+
     @staticmethod
-    def _event(change: Doc) -> ChangeEvent:
-        kind: EventKind = change[f.OPERATION_TYPE]
-        doc = change.get(f.FULL_DOCUMENT)
-        token = change.get("_id")
-        if doc is None and kind == "update" and f.UPDATE_DESCRIPTION in change:
-            changed = change[f.UPDATE_DESCRIPTION].get(f.UPDATED_FIELDS) or {}
-            if rules.wakes(changed):  # a worker's stream: which task is not said, only when
-                return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed))
-        if doc is None:  # a delete, or the document was gone by lookup time
-            return ChangeEvent(kind, None, None, token)
-        try:
-            return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
-        except MalformedTask as exc:
-            return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
+    async def _watch(
+        collection: AsyncCollection[Doc], key: str, doc_id: Any, resume_after: Mapping[str, Any] | None
+    ) -> AsyncChangeStream[Doc]:
+        pipeline = [{"$match": _key_match(key, doc_id)}]
+        with mapped_errors():
+            return await collection.watch(pipeline, resume_after=resume_after, max_await_time_ms=_AWAIT_MS)
+
+    async def _arrived(self, change: Doc) -> ChangeEvent | None:
+        doc_id = (change.get(f.DOCUMENT_KEY) or {}).get(f.ID)
+        if change.get(f.OPERATION_TYPE) in ("insert", "replace") and doc_id != self._doc_id:
+            old = self._stream
+            self._stream = await self._watch(self._collection, self._key, doc_id, change["_id"])
+            self._doc_id = doc_id
+            with suppress(pe.PyMongoError):
+                await old.close()
+        return self._read(change)
+
+
+_CHANGES = ["insert", "update", "replace", "delete"]
+"""The events that change a document; the others (drop, rename, invalidate, ...) concern the collection."""
+_STATE_CHANGED = f"{f.UPDATE_DESCRIPTION}.{f.UPDATED_FIELDS}.{f.STATE}"
+
+# The dashboard's stream: every change, nothing looked up, only what a page needs shipped.
+_SUMMARY_PIPELINE: list[Doc] = [
+    {"$match": {f.OPERATION_TYPE: {"$in": _CHANGES}}},
+    {
+        "$project": {
+            f.OPERATION_TYPE: 1,
+            f.DOCUMENT_KEY: 1,
+            f"{f.FULL_DOCUMENT}.{f.KEY}": 1,
+            f"{f.FULL_DOCUMENT}.{f.STATE}": 1,
+            _STATE_CHANGED: 1,
+        }
+    },
+]
+
+
+def _key_match(key: str, doc_id: Any) -> Doc:
+    """The ``$match`` of a key's stream. Every predicate is on ``operationType``,
+    ``documentKey._id``, ``updateDescription.updatedFields`` or, for inserts and
+    replacements only, ``fullDocument``: MongoDB applies all of them to the oplog entry,
+    so no update of another task (and no lease renewal of this one) reaches the client."""
+    arrivals: Doc = {f.OPERATION_TYPE: {"$in": ["insert", "replace"]}, f"{f.FULL_DOCUMENT}.{f.KEY}": key}
+    if doc_id is None:
+        return arrivals
+    ours = {
+        f"{f.DOCUMENT_KEY}.{f.ID}": doc_id,
+        "$or": [
+            {f.OPERATION_TYPE: {"$in": ["replace", "delete"]}},
+            {f.OPERATION_TYPE: "update", _STATE_CHANGED: {"$exists": True}},
+        ],
+    }
+    return {"$or": [ours, arrivals]}
+
+
+def _event(change: Doc) -> ChangeEvent | None:
+    kind: EventKind = change[f.OPERATION_TYPE]
+    if kind not in _CHANGES:
+        return None
+    doc = change.get(f.FULL_DOCUMENT)
+    token = change.get("_id")
+    if doc is None and kind == "update" and f.UPDATE_DESCRIPTION in change:
+        changed = change[f.UPDATE_DESCRIPTION].get(f.UPDATED_FIELDS) or {}
+        if rules.wakes(changed):  # a worker's stream: which task is not said, only when
+            return ChangeEvent(kind, None, None, token, wake=True, wake_at=rules.wake_at(changed))
+    if doc is None:  # a delete, or the document was gone by lookup time
+        return ChangeEvent(kind, None, None, token)
+    try:
+        return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
+    except MalformedTask as exc:
+        return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
+
+
+def _key_event(key: str, change: Doc) -> ChangeEvent | None:
+    """An event of ``key``'s stream: inserts and replacements carry the task; an update
+    only says the state changed, a delete that the document is gone."""
+    kind = change.get(f.OPERATION_TYPE)
+    if kind in ("insert", "replace"):
+        return _event(change)
+    if kind not in ("update", "delete"):
+        return None
+    return ChangeEvent(kind, key, None, change.get("_id"), doc_id=_doc_id(change), state=_state(change))
+
+
+def _summary_event(change: Doc) -> ChangeEvent | None:
+    """An event of a summary stream: the document's ``_id``, its key where the event
+    carries the document (inserts and replacements), and the state the change wrote."""
+    kind: EventKind = change[f.OPERATION_TYPE]
+    if kind not in _CHANGES:
+        return None
+    key = (change.get(f.FULL_DOCUMENT) or {}).get(f.KEY)
+    key = key if isinstance(key, str) else None
+    return ChangeEvent(kind, key, None, change.get("_id"), doc_id=_doc_id(change), state=_state(change))
+
+
+def _doc_id(change: Doc) -> Any:
+    return (change.get(f.DOCUMENT_KEY) or {}).get(f.ID)
+
+
+def _state(change: Doc) -> str | None:
+    """The state a change wrote: the document's (inserts, replacements) or the update's."""
+    doc = change.get(f.FULL_DOCUMENT) or {}
+    changed = (change.get(f.UPDATE_DESCRIPTION) or {}).get(f.UPDATED_FIELDS) or {}
+    state = doc.get(f.STATE, changed.get(f.STATE))
+    return state if isinstance(state, str) else None
