@@ -305,10 +305,24 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
                 f"hub events of an insert and a drop are no longer as the oplog reads them: {events}"
             )
         stream.close()
+    broken += _engine_internals_broken()
     assert not broken, (
-        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py)"
-        " changed: " + "; ".join(broken)
+        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py,"
+        " engine.py) changed: " + "; ".join(broken)
     )
+
+
+def _engine_internals_broken() -> list[str]:
+    """What engine.py patches: the engine's unique check (run before every stored document)
+    and its arguments."""
+    from mongoeco.engines.memory import MemoryEngine
+
+    broken = []
+    parameters = inspect.signature(MemoryEngine._ensure_unique_indexes).parameters
+    broken += [f"_ensure_unique_indexes has no {p}" for p in _UNIQUE_CHECK_ARGS if p not in parameters]
+    if not callable(getattr(MemoryEngine, "_borrow_storage_document", None)):
+        broken.append("MemoryEngine._borrow_storage_document missing (tests count reads with it)")
+    return broken
 
 
 _PROXY_CALLS = (
@@ -316,6 +330,7 @@ _PROXY_CALLS = (
     "self._executor.execute_prepared(",
     "self._executor.error_document(",
 )
+_UNIQUE_CHECK_ARGS = ("db_name", "coll_name", "candidate", "exclude_storage_key", "scan_payload_id")
 _EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
 _CONTEXT_FIELDS = ("command_name", "db_name", "command_document")
 _HUB_NAMES = ("_append_committed_event_locked", "_events")

@@ -22,9 +22,12 @@ proxy's command executor and fixes what taskrunner depends on:
 * Cursor id width.  mongoeco replies with 32-bit cursor ids, which the Node
   driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
   then send back.  Replies get Int64 ids and requests get plain ints.
+* The engine (``taskrunner.dev.engine``): the 16 MiB document limit, and inserts that do
+  not read every stored document.
 
-The bridge reads mongoeco internals (the executor seam and its request context);
-``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves any of them.
+The bridge reads mongoeco internals (the executor seam and its request context, the
+engine's unique-index check); ``tests/test_embedded.py`` fails loudly when a mongoeco
+upgrade moves any of them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from taskrunner.dev import bracketing
+from taskrunner.dev.engine import current_command, patch_engine
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
@@ -150,7 +154,12 @@ class _BridgeExecutor:
         return BridgedCommand("killCursors", db, body)
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
-        return self._streams.stamp(await self._execute(context))
+        name = context.name if isinstance(context, BridgedCommand) else context.command_name
+        command = current_command.set(name)  # for the engine's size check
+        try:
+            return self._streams.stamp(await self._execute(context))
+        finally:
+            current_command.reset(command)
 
     async def _execute(self, context: Any) -> dict[str, Any]:
         if not isinstance(context, BridgedCommand):
@@ -243,6 +252,7 @@ class EmbeddedServer:
         self._proxy = proxy
         bracketing.install()
         self._streams = ChangeStreams(self._client, self._history_size)
+        patch_engine(self._client._engine)
         proxy._executor = _BridgeExecutor(proxy._executor, self._streams)
         address = await proxy.start()
         return _format_uri(address.host, address.port)
