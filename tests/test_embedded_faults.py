@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -172,8 +173,11 @@ async def test_step_down_refuses_writes_with_not_writable_primary_until_off(
 
 async def test_step_down_ends_by_itself_after_its_seconds(admin: AsyncMongoClient[Doc]) -> None:
     """A stepDown of `seconds` ends without `off`: hello says writable primary again and writes work."""
-    await _fault(admin, "stepDown", seconds=0.5)
-    assert (await admin.admin.command("hello"))["isWritablePrimary"] is False
+    started = time.monotonic()
+    await _fault(admin, "stepDown", seconds=2)
+    during = (await admin.admin.command("hello"))["isWritablePrimary"]
+    if time.monotonic() - started < 2:  # a stalled machine may have let the stepdown pass already
+        assert during is False
 
     async def primary() -> bool:
         return bool((await admin.admin.command("hello"))["isWritablePrimary"])
