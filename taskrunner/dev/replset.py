@@ -142,7 +142,9 @@ class ReplicaSet:
             stepped_down.cancel()
             if not work.done():
                 work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
+            # Retrieves its outcome whatever happens here (its error is raised below, or was
+            # made moot by our own cancellation at server shutdown).
+            await asyncio.gather(work, return_exceptions=True)
         if work.cancelled():
             raise error
         return work.result()
