@@ -359,3 +359,12 @@ def test_explain_without_a_real_mongodb_says_so(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert "needs a real MongoDB" in done.stdout
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_embedded_inserts_smoke(tmp_path: Path) -> None:
+    """``embedded_inserts.py --smoke`` reports seconds per 1,000 inserts at each size and their ratios."""
+    result = run_bench("embedded_inserts.py", "--smoke", results=tmp_path / "results.jsonl")
+    assert result["bench"] == "embedded_inserts"
+    assert result["config"] == {"batch": 100}
+    assert set(result["seconds_per_1000"]) == set(result["ratio_to_first"]) == {"200", "1000"}
+    assert result["ratio_to_first"]["200"] == 1.0

@@ -305,19 +305,50 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
                 f"hub events of an insert and a drop are no longer as the oplog reads them: {events}"
             )
         stream.close()
+    broken += _engine_and_fail_point_internals_broken()
     assert not broken, (
-        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py)"
-        " changed: " + "; ".join(broken)
+        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py,"
+        " engine.py, faults.py, retryable.py) changed: " + "; ".join(broken)
     )
+
+
+def _engine_and_fail_point_internals_broken() -> list[str]:
+    """What engine.py patches and faults.py reads: the engine's unique check (run before every
+    stored document) and its arguments, the failCommand state and closeConnection's exception."""
+    from mongoeco.api._async import database_commands
+    from mongoeco.engines.memory import MemoryEngine
+    from mongoeco.wire import _session_identity
+
+    broken = []
+    parameters = inspect.signature(MemoryEngine._ensure_unique_indexes).parameters
+    broken += [f"_ensure_unique_indexes has no {p}" for p in _UNIQUE_CHECK_ARGS if p not in parameters]
+    if not callable(getattr(MemoryEngine, "_borrow_storage_document", None)):
+        broken.append("MemoryEngine._borrow_storage_document missing (tests count reads with it)")
+    source = inspect.getsource(database_commands)
+    broken += [f"database_commands.py lost {text!r}" for text in _FAIL_POINT_SOURCE if text not in source]
+    if not callable(getattr(database_commands._CommandFailPointState, "consume_fail_command", None)):
+        broken.append("_CommandFailPointState.consume_fail_command missing")
+    if not callable(getattr(_session_identity, "wire_session_key", None)):
+        broken.append("wire._session_identity.wire_session_key missing")
+    return broken
 
 
 _PROXY_CALLS = (
     "self._executor._build_request_context(",
     "self._executor.execute_prepared(",
     "self._executor.error_document(",
+    "self._handle_connection(reader, writer)",
+    "await self._dispatch_wire_request(",
+    "except (asyncio.IncompleteReadError, ConnectionError):",
+    "header.message_length",
+)
+_UNIQUE_CHECK_ARGS = ("db_name", "coll_name", "candidate", "exclude_storage_key", "scan_payload_id")
+_FAIL_POINT_SOURCE = (
+    '"_command_failpoint_state"',
+    "if fail_command.close_connection:\n                        raise ConnectionFailure(",
 )
 _EXECUTOR_NAMES = ("_build_request_context", "execute_prepared", "error_document")
-_CONTEXT_FIELDS = ("command_name", "db_name", "command_document")
+_CONTEXT_FIELDS = ("command_name", "db_name", "command_document", "raw_body", "connection")
 _HUB_NAMES = ("_append_committed_event_locked", "_events")
 _QUERY_ENGINE_NAMES = (
     "_comparison_matches_candidate",

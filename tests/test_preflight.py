@@ -415,17 +415,17 @@ async def test_init_on_the_test_server_passes_the_check(mongo_uri: str, collecti
 
 
 @pytest.mark.embedded
-async def test_the_embedded_server_reports_7_0_and_serves_streams_as_a_standalone(
+async def test_the_embedded_server_reports_7_0_as_a_replica_set(
     embedded_uri: str, collection_name: str
 ) -> None:
-    """mongoeco answers hello without setName (a standalone to the check), buildInfo 7.0.0 and
-    connectionStatus without users; the probe finds the bridge's change streams."""
+    """The embedded server answers hello as a one-member replica set (setName, so change
+    streams without a probe), buildInfo 7.0.0 and connectionStatus without users."""
     store = MongoStore.connect(embedded_uri, collection=collection_name)
     try:
         info = await store.server_info()
     finally:
         await store.close()
-    assert info == ServerInfo((7, 0, 0), Topology.STANDALONE, change_streams=True)
+    assert info == ServerInfo((7, 0, 0), Topology.REPLICA_SET, change_streams=True)
 
 
 @pytest.mark.embedded

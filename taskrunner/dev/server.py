@@ -22,8 +22,17 @@ proxy's command executor and fixes what taskrunner depends on:
 * Cursor id width.  mongoeco replies with 32-bit cursor ids, which the Node
   driver and ``mongosh`` reject, and it chokes on the 64-bit ids that clients
   then send back.  Replies get Int64 ids and requests get plain ints.
+* A replica-set primary (``taskrunner.dev.replset``): ``hello`` names a one-member
+  replica set, so drivers send retryable writes' ``txnNumber``; a test can step it down.
+* Retryable writes (``taskrunner.dev.retryable``): a write runs once per ``lsid`` +
+  ``txnNumber``; a retry gets the first reply.
+* The engine (``taskrunner.dev.engine``): the 16 MiB document limit, and inserts that do
+  not read every stored document.
+* Test faults (``taskrunner.dev.faults``): the ``taskrunnerFault`` admin command, and
+  mongoeco's ``failCommand`` fail point on what the bridge answers itself.
 
-The bridge reads mongoeco internals (the executor seam and its request context);
+The bridge reads mongoeco internals (the executor seam and its request context, the
+proxy's connection handler and dispatch, the engine's unique-index check);
 ``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves any of them.
 """
 
@@ -39,13 +48,27 @@ from types import TracebackType
 from typing import Any
 
 from taskrunner.dev import bracketing
+from taskrunner.dev.engine import current_command, patch_engine
+from taskrunner.dev.faults import (
+    FAIL_POINT_COMMANDS,
+    FAULT_COMMAND,
+    DropConnection,
+    Faults,
+    apply_fail_point,
+    install_connection_hooks,
+)
+from taskrunner.dev.replset import ReplicaSet, interrupted, is_hello
+from taskrunner.dev.retryable import RetryableWrites, retryable_write
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
 if MONGOECO_AVAILABLE:
     from mongoeco.api import AsyncMongoClient as _EcoClient
     from mongoeco.core.bson_scalars import BsonInt64
+    from mongoeco.errors import ConnectionFailure as EcoConnectionFailure
+    from mongoeco.errors import OperationFailure
     from mongoeco.wire import AsyncMongoEcoProxyServer
+    from mongoeco.wire._session_identity import wire_session_key
 
 __all__ = ["EmbeddedServer", "ServerThread", "serve"]
 
@@ -97,9 +120,13 @@ async def _coll_mod(client: Any, command: BridgedCommand) -> dict[str, Any]:
 class _BridgeExecutor:
     """Stands in for the proxy's WireCommandExecutor, diverting what mongoeco cannot serve."""
 
-    def __init__(self, inner: Any, streams: ChangeStreams) -> None:
+    def __init__(self, inner: Any, streams: ChangeStreams, replica_set: ReplicaSet) -> None:
         self._inner = inner
         self._streams = streams
+        self._engine = streams.client._engine
+        self._replica_set = replica_set
+        self._faults = Faults(replica_set, streams.end)
+        self._retryable = RetryableWrites()
 
     def error_document(self, error: Exception) -> dict[str, Any]:
         document: dict[str, Any] = self._inner.error_document(error)
@@ -128,6 +155,8 @@ class _BridgeExecutor:
     def _divert(self, command: str, body: dict[str, Any], db: object) -> BridgedCommand | None:
         if not isinstance(db, str):
             return None  # let mongoeco produce its own error
+        if command == FAULT_COMMAND:
+            return BridgedCommand(command, db, body)
         if command == "aggregate" and is_change_stream(body):
             return BridgedCommand(command, db, body)
         if command == "collMod" and _is_validation_coll_mod(body):
@@ -150,17 +179,65 @@ class _BridgeExecutor:
         return BridgedCommand("killCursors", db, body)
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
-        return self._streams.stamp(await self._execute(context))
+        bridged = isinstance(context, BridgedCommand)
+        name, db, body = (
+            (context.name, context.db, context.body)
+            if bridged
+            else (context.command_name, context.db_name, context.raw_body)
+        )
+        if name == FAULT_COMMAND:
+            return self._streams.stamp(self._faults.command(db, body))
+        refusal = self._replica_set.refusal(name, body, change_stream=bridged)
+        if refusal is not None:
+            raise refusal
+        if bridged or name in FAIL_POINT_COMMANDS:
+            await apply_fail_point(self._engine, name, _namespace(name, db, body))
+        command = current_command.set(name)
+        try:
+            reply = await self._execute(context, name, body)
+        except Exception:
+            if self._faults.loses_reply(name):
+                raise DropConnection from None
+            raise
+        finally:
+            current_command.reset(command)
+        if self._faults.loses_reply(name):
+            raise DropConnection
+        return self._streams.stamp(reply)
 
-    async def _execute(self, context: Any) -> dict[str, Any]:
-        if not isinstance(context, BridgedCommand):
-            name, db, body = context.command_name, context.db_name, context.command_document
+    async def _execute(self, context: Any, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(context, BridgedCommand):
+            return await self._bridged(context)
+        if is_hello(name):
+            return self._replica_set.hello(await self._mongoeco(context))
+        session = wire_session_key(body["lsid"]) if "lsid" in body else None
+        write = retryable_write(name, body, session)
+        if write is None:
+            return await self._mongoeco(context)
+
+        async def run(statements: dict[str, Any]) -> dict[str, Any]:
+            if statements is not body:  # the statements a first attempt did not run
+                build = self._inner._build_request_context
+                return await self._mongoeco(
+                    build(statements, connection=context.connection, db_name=context.db_name)
+                )
+            return await self._mongoeco(context)
+
+        return await self._retryable.execute(write, run)
+
+    async def _mongoeco(self, context: Any) -> dict[str, Any]:
+        name, db, body = context.command_name, context.db_name, context.command_document
+        try:
             reply = await self._streams.apply(name, db, body, lambda: self._inner.execute_prepared(context))
-            return _with_int64_cursor_id(reply)
+        except EcoConnectionFailure as error:  # mongoeco's failCommand with closeConnection
+            raise DropConnection from error
+        return _with_int64_cursor_id(reply)
+
+    async def _bridged(self, context: BridgedCommand) -> dict[str, Any]:
         if context.name == "aggregate":
             return await self._streams.aggregate(context)
         if context.name == "getMore":
-            return await self._streams.get_more(context)
+            return await self._get_more(context)
         if context.name == "collMod":
             return await _coll_mod(self._streams.client, context)
         killed, unknown = self._streams.kill(context.body["cursors"])
@@ -171,6 +248,23 @@ class _BridgeExecutor:
             "cursorsUnknown": [],
             "ok": 1.0,
         }
+
+    async def _get_more(self, context: BridgedCommand) -> dict[str, Any]:
+        error = interrupted("getMore", change_stream=True)
+        try:
+            return await self._replica_set.interruptible(self._streams.get_more(context), error)
+        except OperationFailure as raised:
+            if raised is error:  # MongoDB kills a cursor whose getMore was interrupted
+                self._streams.kill([context.body["getMore"]])
+            raise
+
+
+def _namespace(command: str, db: str, body: dict[str, Any]) -> str | None:
+    """The namespace a fail point's ``namespace`` filter compares (a getMore's collection)."""
+    target = body.get(command)
+    if not isinstance(target, str):
+        target = body.get("collection")
+    return f"{db}.{target}" if isinstance(target, str) else None
 
 
 def _is_loopback(host: str) -> bool:
@@ -243,8 +337,12 @@ class EmbeddedServer:
         self._proxy = proxy
         bracketing.install()
         self._streams = ChangeStreams(self._client, self._history_size)
-        proxy._executor = _BridgeExecutor(proxy._executor, self._streams)
+        patch_engine(self._client._engine)
+        replica_set = ReplicaSet(fallback_address=f"{self._host}:{self._port}")
+        proxy._executor = _BridgeExecutor(proxy._executor, self._streams, replica_set)
+        install_connection_hooks(proxy)
         address = await proxy.start()
+        replica_set.fallback_address = f"{address.host}:{address.port}"
         return _format_uri(address.host, address.port)
 
     async def stop(self) -> None:

@@ -73,7 +73,7 @@ async def test_lost_claim_replies_strand_nothing_and_spend_no_budget(
                 options = {"max_failures": 1, "ping_interval": 0.3, "ping_timeout": 2}
                 await runner.publish_many(
                     [
-                        {"name": "nap", "key": f"t{i:02d}", "params": {"seconds": 0.05}, "options": options}
+                        {"name": "nap", "key": f"t{i:02d}", "params": {"seconds": 0.05}, **options}
                         for i in range(TASKS)
                     ]
                 )

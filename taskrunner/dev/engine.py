@@ -1,0 +1,87 @@
+"""Patches of mongoeco's in-memory engine (one engine instance, the embedded server's own).
+
+* Inserts that do not read the collection.  Before every single-document insert
+  (and the wire ``insert`` command inserts one document at a time) mongoeco compares
+  the new ``_id`` with the ``_id`` of every stored document, so that ``1``, ``1.0``
+  and ``Int64(1)`` stay one ``_id``: inserting n documents cost O(n²).  Its storage
+  key already tells equal ``_id`` values apart for every other type, so the patch
+  keeps that scan only for an ``_id`` holding a number or binary data (whose storage
+  keys differ between equal values).  Task documents (ObjectId ``_id``) insert in
+  constant time.
+* MongoDB's document size limit.  mongoeco stores documents of any size; MongoDB
+  refuses one over 16 MiB (``maxBsonObjectSize``).  The patch checks each document
+  mongoeco is about to store, with MongoDB 7.0's errors (the version the server
+  reports): an insert gets BadValue (2) "object to insert too large", an update's
+  result 17419, an upsert's new document 17420.
+
+``tests/test_embedded.py`` checks that the patched method still exists with the
+arguments used here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import bson
+
+from taskrunner.dev.wire import MONGOECO_AVAILABLE, failure
+
+if MONGOECO_AVAILABLE:
+    from mongoeco.core.bson_scalars import is_bson_numeric
+    from mongoeco.wire.bson_bridge import encode_wire_value
+
+MAX_BSON_OBJECT_SIZE = 16 * 1024 * 1024  # MongoDB's BSONObjMaxUserSize, hello's maxBsonObjectSize
+
+# The write command being executed, set by the bridge for the engine's size check.
+current_command: contextvars.ContextVar[str] = contextvars.ContextVar("current_command", default="")
+# Size of the wire message being executed: a document cannot be larger than the message.
+current_message_size: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "current_message_size", default=MAX_BSON_OBJECT_SIZE + 1
+)
+
+
+def needs_logical_id_scan(value: object) -> bool:
+    """An ``_id`` whose equal values may have different storage keys: numbers (1, 1.0,
+    Int64(1)) and binary data (bytes and Binary subtype 0), at any depth."""
+    if isinstance(value, dict):
+        return any(needs_logical_id_scan(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(needs_logical_id_scan(item) for item in value)
+    return isinstance(value, bytes) or bool(is_bson_numeric(value))
+
+
+def bson_size(document: dict[str, Any]) -> int:
+    encoded: bytes = bson.encode(encode_wire_value(document))
+    return len(encoded)
+
+
+def _too_large(document: dict[str, Any], *, replacing: bool) -> Exception | None:
+    if current_command.get() == "insert" and current_message_size.get() <= MAX_BSON_OBJECT_SIZE:
+        return None  # an inserted document is part of the message, so it is smaller
+    size = bson_size(document)
+    if size <= MAX_BSON_OBJECT_SIZE:
+        return None
+    if current_command.get() in ("update", "findAndModify"):
+        if replacing:
+            message = f"Resulting document after update is larger than {MAX_BSON_OBJECT_SIZE}"
+            return failure(message, 17419, "Location17419")
+        return failure(f"Document to upsert is larger than {MAX_BSON_OBJECT_SIZE}", 17420, "Location17420")
+    message = f"object to insert too large. size in bytes: {size}, max size: {MAX_BSON_OBJECT_SIZE}"
+    return failure(message, 2, "BadValue")
+
+
+def patch_engine(engine: Any) -> None:
+    """Install both patches on ``engine`` (its ``_ensure_unique_indexes`` runs before every
+    document mongoeco stores: inserts, updates, upserts and ``$merge``)."""
+    ensure_unique = engine._ensure_unique_indexes
+
+    def checked(db_name: str, coll_name: str, candidate: dict[str, Any], **options: Any) -> None:
+        error = _too_large(candidate, replacing=options.get("exclude_storage_key") is not None)
+        if error is not None:
+            raise error
+        if options.get("scan_payload_id") and not needs_logical_id_scan(candidate.get("_id")):
+            options["scan_payload_id"] = False
+        ensure_unique(db_name, coll_name, candidate, **options)
+
+    engine._ensure_unique_indexes = checked
