@@ -416,8 +416,8 @@ class Change:
 
 def resize(gate: GateDoc, limit: Limit, now: datetime) -> None:
     """N lanes for a rate of N, M slots for max_running M. Fewer drops free ones from the
-    end only (indexes are how holders know their lanes), so a smaller limit applies once
-    the workers holding the last lanes give them back (they do when limits change)."""
+    end only (indexes are how holders know their lanes): the workers holding the last
+    ones start nothing on them under the smaller limit and give them back once free."""
     wanted = limit.rate.limit if limit.rate else 0
     while len(gate.lanes) < wanted:
         gate.lanes.append(Lane(freed=now))
