@@ -207,10 +207,8 @@ class GateKeeper:
         permits = lease.permits(gate, limit, len(entries), at)
         waiting = len(entries) - len(permits)
         if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name):
-            try:
-                await self._ask(
-                    gate, name, lease, limit, waiting
-                )  # raises StoreError only when the server does
+            try:  # raises StoreError only when the server does
+                await self._ask(gate, name, lease, limit, waiting)
             except BaseException:
                 self.unused(permits)
                 raise

@@ -271,9 +271,9 @@ class Store(Protocol):
         ``limit``), then PENDING ones, at most ``limit`` of the names not in ``apart``
         together and ``limit`` of each name in ``apart`` (the names with fleet-wide
         limits), so a takeover never waits behind a backlog of new tasks and a limited
-        name's backlog neither hides nor is hidden by another name's. Then at most ``limit`` documents of any name that need ``normalize``
-        (``rules.unsettled``: no valid state, or unfinished without a claimable_at date),
-        as unreadable ones."""
+        name's backlog neither hides nor is hidden by another name's. Then at most
+        ``limit`` documents of any name that need ``normalize`` (``rules.unsettled``: no
+        valid state, or unfinished without a claimable_at date), as unreadable ones."""
 
     async def normalize(self, key: str) -> Task:
         """Give a document written by hand or by another language the fields it lacks
