@@ -223,7 +223,9 @@ class Worker:
         ``worker_ids`` name it or it owns the task; with ``steal``, also when its owner let
         the grace pass. Returns whether it was queued."""
         claimable = task.name in self.names and task.name not in self.limits.paused
-        at = rules.next_claim(task, self.worker_id) if claimable else None
+        # A sweep lists a task whose own lease expires soon; one of this worker's live runs renews it.
+        running_here = any(entry.run_id in self.runs for entry in task.workers)
+        at = rules.next_claim(task, self.worker_id) if claimable and not running_here else None
         if at is None:
             self.queue.discard(task.key)
             return False

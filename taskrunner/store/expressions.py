@@ -278,15 +278,21 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
 def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
     """``rules.sweepable`` for tasks in ``state`` (PENDING or RUNNING: the sweep reads each
     as its own range of the claim index, state then claimable_at). ``horizon`` is a date
-    (the worker's estimate of server time plus how far ahead it looks): it only bounds
-    the scan; every claim re-checks at ``$$NOW``."""
-    mine = {f.WORKER_ID: worker_id, f.STATE: {"$in": [EntryState.RUNNING.value, EntryState.SUCCESS.value]}}
+    (the worker's estimate of server time plus how far ahead it looks): it bounds the
+    scan and judges the worker's own leases (one expiring by then does not hide the
+    task); every claim re-checks at ``$$NOW``."""
+    succeeded = {f.WORKER_ID: worker_id, f.STATE: EntryState.SUCCESS.value}
+    held = {
+        f.WORKER_ID: worker_id,
+        f.STATE: EntryState.RUNNING.value,
+        f.EXPIRES_AT: {"$type": "date", "$gt": horizon},
+    }
     return {
         f.STATE: state,
         f.CLAIMABLE_AT: {"$lte": horizon},
         f.NAME: {"$in": names},
         "$or": _allowed(worker_id),
-        f.WORKERS: {"$not": {"$elemMatch": mine}},
+        "$nor": [{f.WORKERS: {"$elemMatch": succeeded}}, {f.WORKERS: {"$elemMatch": held}}],
     }
 
 
