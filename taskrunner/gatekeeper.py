@@ -144,18 +144,28 @@ class GateKeeper:
     ) -> tuple[list[tuple[Due, Permit]], list[tuple[Due, float]]]:
         """Permits for up to ``room`` due entries that may be claimed now, and the entries
         to put back until the given time; entries past ``room`` are left as they are.
-        Raises ``StoreError`` when the gate cannot be read or written."""
+        Raises ``StoreError`` when the gate cannot be read or written, and then every
+        permit it made is given back (nothing was claimed with them)."""
         now = self.now()
         ready: list[tuple[Due, Permit]] = []
         later: list[tuple[Due, float]] = []
         by_gate: dict[str, list[Due]] = defaultdict(list)
         for entry in due:
             by_gate[entry.gate].append(entry)
-        for gate, entries in by_gate.items():
-            entries = entries[: max(0, room - len(ready))]
-            if entries:
-                await self._admit(gate, entries, now, ready, later)
+        try:
+            for gate, entries in by_gate.items():
+                entries = entries[: max(0, room - len(ready))]
+                if entries:
+                    await self._admit(gate, entries, now, ready, later)
+        except BaseException:
+            self.unused([permit for _, permit in ready])
+            raise
         return ready, later
+
+    def unused(self, permits: Iterable[Permit]) -> None:
+        """These permits claimed nothing, for sure: their lanes and slots are free again."""
+        for permit in permits:
+            self.used(permit, None)
 
     async def _admit(
         self,
@@ -178,7 +188,13 @@ class GateKeeper:
         permits = lease.permits(gate, limit, len(entries), at)
         waiting = len(entries) - len(permits)
         if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name):
-            await self._ask(gate, name, lease, limit, waiting)  # raises StoreError only when the server does
+            try:
+                await self._ask(
+                    gate, name, lease, limit, waiting
+                )  # raises StoreError only when the server does
+            except BaseException:
+                self.unused(permits)
+                raise
             permits += lease.permits(gate, limit, waiting, at)
         if throttled is not None:  # ended by this worker's clock: the server checks it too
             permits = [replace(p, start=max(p.start, _utc(throttled))) for p in permits]
@@ -372,13 +388,18 @@ class GateKeeper:
                 log.warning("could not renew or give back lanes and running slots", error=str(exc))
 
     async def tend(self, everything: bool = False) -> None:
+        """Give back what has no use, renew what is due, forget gates left with nothing;
+        ``everything``: give back every lane and slot held (nothing runs here any more)."""
         now, changed = self.now(), self._changed
         self._changed = set()
         for gate, lease in list(self._leases.items()):
             name = self.name_of(gate)
             limit = self.limits.get(name) or Limit()
-            done = everything or name in changed or not limit or now - lease.wanted > IDLE
-            lanes, slots = self._spare(gate, lease, limit, name, done, now)
+            done = name in changed or not limit or now - lease.wanted > IDLE
+            if everything:
+                lanes, slots = set(lease.lanes), set(lease.slots)
+            else:
+                lanes, slots = self._spare(gate, lease, limit, name, done, now)
             if lanes or slots:
                 await self._release(gate, name, lease, lanes, slots)
             elif lease and (renew_at := lease.renew_at()) is not None and now >= renew_at:

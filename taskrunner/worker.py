@@ -608,20 +608,28 @@ class Worker:
         """One claim for tasks whose permits are open now: the server takes them only
         within every permit's window; each permit is then settled with its claim time."""
         window = (max(p.start for _, p in ready), min(p.until for _, p in ready))
-        claimed = await self._claim_keys(
-            [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
-        )
+        claimed: Claimed | None = None
+        try:
+            claimed = await self._claim_keys(
+                [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
+            )
+        finally:  # whatever happened (an error, a cancellation), every permit is settled
+            self._settle(ready, claimed)
+        return claimed.claims if claimed is not None else []
+
+    def _settle(self, ready: list[tuple[Due, Permit]], claimed: Claimed | None) -> None:
+        """Give each permit its claim's start and run; without an answer the claim may
+        have landed, so each counts as a start at the latest its window allows."""
         if claimed is None:
-            for _, permit in ready:  # it may have landed: count each as a start at the latest
+            for _, permit in ready:
                 self.gates.used(permit, permit.until)
-            return []
+            return
         rejected = {str(problem.key) for problem in claimed.rejected}
         won = {claim.task.key: claim for claim in claimed.claims}
         for entry, permit in ready:
             claim = won.get(entry.key)
             started = claim.entry.claimed_at if claim else permit.until if entry.key in rejected else None
             self.gates.used(permit, started, claim.run_id if claim else None)
-        return claimed.claims
 
     def _sweep_intervals(self) -> tuple[float, float]:
         """Seconds to the next sweep after one that saw work, and after one that saw nothing.

@@ -5,13 +5,17 @@ Driven by a memory store on a simulated server clock."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
+from taskrunner import TaskContext, TaskRunner, TaskState
 from taskrunner.claimqueue import Due
-from taskrunner.errors import InvalidTask
+from taskrunner.errors import InvalidTask, StoreUnavailable
 from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import (
     EPOCH,
@@ -27,7 +31,10 @@ from taskrunner.gates import (
     gate_id,
     parse_rate,
 )
+from taskrunner.store.base import Claim, Window
 from taskrunner.store.memory import MemoryStore
+from taskrunner.testing import wait_for
+from taskrunner.worker import Worker
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 NAME = "call_api"
@@ -37,13 +44,31 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
+class CutOff(MemoryStore):
+    """A memory store whose gate documents cannot be read or written while ``cut``."""
+
+    cut = False
+
+    async def read_gate(self, gate: str) -> dict[str, Any] | None:
+        if self.cut:
+            raise StoreUnavailable("connection closed")
+        return await super().read_gate(gate)
+
+    async def update_gate(
+        self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
+    ) -> dict[str, Any] | None:
+        if self.cut:
+            raise StoreUnavailable("connection closed")
+        return await super().update_gate(gate, expect, changes, create=create)
+
+
 class Fleet:
     """Gate keepers sharing one memory store whose clock is ``self.t`` seconds past T0;
     a claim lands ``delay`` seconds later and the server takes it only within its window."""
 
     def __init__(self, limit: Limit) -> None:
         self.t, self.limit, self.starts, self.serial = 0.0, limit, list[float](), 0
-        self.store = MemoryStore(clock=lambda: at(self.t))
+        self.store = CutOff(clock=lambda: at(self.t))
         self.names: list[str] = []
 
     def keeper(self, worker: str, skew: float = 0.0, capacity: int = 10) -> GateKeeper:
@@ -58,9 +83,9 @@ class Fleet:
             peers=lambda name: list(self.names),
         )
 
-    def due(self, count: int) -> list[Due]:
+    def due(self, count: int, gate: str = NAME) -> list[Due]:
         self.serial += count
-        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, NAME) for i in range(count)]
+        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, gate) for i in range(count)]
 
     async def start(self, keeper: GateKeeper, count: int, delay: float = 0.0) -> list[Permit]:
         """Ask for ``count`` starts; the permits' claims land ``delay`` later."""
@@ -73,8 +98,8 @@ class Fleet:
             keeper.used(permit, landed if taken else None, f"run{self.serial}-{permit.id}" if taken else None)
         return [permit for _, permit in ready]
 
-    async def gate(self) -> GateDoc:
-        doc, problem = GateDoc.read(await self.store.read_gate(NAME), NAME, NAME)
+    async def gate(self, gate: str = NAME) -> GateDoc:
+        doc, problem = GateDoc.read(await self.store.read_gate(gate), gate, NAME)
         assert problem is None
         return doc
 
@@ -275,3 +300,130 @@ def test_lanes_are_dealt_to_exactly_one_live_worker_each_and_evenly() -> None:
     assert {len(lanes) for lanes in split.values()} == {6, 7}
     takers = {w for g in range(40) for w in peers if dealt(f'call_api#"{g}"', 1, w, peers)}
     assert len(takers) >= 6
+
+
+async def test_permits_made_before_a_gate_write_fails_are_given_back() -> None:
+    """A claim's permits come from the lanes of one gate, then the ask for another gate
+    fails: every permit made goes back, so the lanes start tasks again as soon as the
+    server answers, and shutdown gives every lane back to its gate."""
+    fleet = Fleet(Limit(Rate(2, 1.0), limit_by="tenant"))
+    keeper = fleet.keeper("w")
+    a, b = 'call_api#"a"', 'call_api#"b"'
+    [(_, first)] = (await keeper.admit(fleet.due(1, a), 1))[0]
+    keeper.used(first, None)  # claimed nothing: both lanes of a are held and open
+    fleet.store.cut = True
+    with pytest.raises(StoreUnavailable):
+        await keeper.admit([*fleet.due(1, a), *fleet.due(1, b)], 2)
+    fleet.store.cut = False
+    ready, _ = await keeper.admit(fleet.due(2, a), 2)
+    assert len(ready) == 2
+    keeper.unused(permit for _, permit in ready)
+    await keeper.close()
+    assert [lane.holder for lane in (await fleet.gate(a)).lanes] == [None, None]
+
+
+async def test_permits_made_before_asking_their_own_gate_for_more_are_given_back() -> None:
+    """A worker holds one of its two running slots and asks for the other, which fails:
+    the permit of the slot it held goes back too, and both start tasks once it is healed."""
+    fleet = Fleet(Limit(max_running=2))
+    keeper = fleet.keeper("w")
+    fleet.names.append("x")  # a peer: w is dealt one slot
+    [(_, first)] = (await keeper.admit(fleet.due(1), 1))[0]
+    keeper.used(first, None)
+    fleet.names.remove("x")  # the peer left: both slots are w's now
+    fleet.t = 2.0  # asking again may give more
+    fleet.store.cut = True
+    with pytest.raises(StoreUnavailable):
+        await keeper.admit(fleet.due(2), 2)
+    fleet.store.cut = False
+    fleet.t = 5.0  # past the back-off of the failed ask
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 2
+
+
+# -- a worker's permits on error paths (a Worker on a memory store, real time) ---------------------
+class Faulty(MemoryStore):
+    """Claims with a gate's window raise a bug's error (``bugs``), lose their reply after
+    landing (``lost``) or hang (``hang``); ``claims`` counts them."""
+
+    bugs = lost = claims = 0
+    hang = False
+
+    async def claim(
+        self,
+        worker_id: str,
+        *,
+        key: str | None = None,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
+        window: Window | None = None,
+    ) -> Claim | None:
+        if window is not None:
+            self.claims += 1
+            if self.bugs:
+                self.bugs -= 1
+                raise RuntimeError("a bug below the store seam")
+            if self.hang:
+                await asyncio.Event().wait()
+        claim = await super().claim(worker_id, key=key, names=names, fresh=fresh, window=window)
+        if window is not None and self.lost:
+            self.lost -= 1
+            raise StoreUnavailable("connection closed before the reply")
+        return claim
+
+
+def limited(store: MemoryStore, ran: list[str], **limit: Any) -> TaskRunner:
+    runner = TaskRunner(store=store)
+
+    @runner.task("limited", ping_interval=0.3, ping_timeout=1.0, **limit)
+    async def handler(params: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append(ctx.key)
+
+    return runner
+
+
+async def run_worker_until(worker: Worker, condition: Any, within: float = 20.0) -> None:
+    running = asyncio.create_task(worker.run())
+    try:
+        await wait_for(condition, within, "the worker to get there", interval=0.02)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+
+
+async def test_a_claim_that_raises_an_unexpected_error_gives_its_permit_back() -> None:
+    """The claimer crashes on an error no one expected (and is restarted): the permit of
+    its claim is settled, so the gate's single running slot starts the task after all."""
+    store, ran = Faulty(), list[str]()
+    store.bugs = 1
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="only")
+    await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["only"])
+    assert store.claims == 2 and (await runner.get("only")).state is TaskState.SUCCESS
+
+
+async def test_shutdown_during_a_claim_gives_every_lane_and_slot_back() -> None:
+    """A worker stopped while a gated claim is on its way gives its lanes and running slot
+    back to the gate (a lane records its next start), so other workers need not wait for
+    its lease to lapse."""
+    store, ran = Faulty(), list[str]()
+    store.hang = True
+    runner = limited(store, ran, rate_limit="1/s", max_running=1)
+    await runner.publish("limited", key="only")
+    await run_worker_until(Worker(runner, worker_id="w", shutdown_timeout=0.1), lambda: store.claims == 1)
+    gate = await store.read_gate("limited")
+    assert gate is not None and gate["lanes"] and gate["running"]
+    assert [lane["holder"] for lane in gate["lanes"]] == [None]
+    assert [slot["holder"] for slot in gate["running"]] == [None]
+
+
+async def test_a_claim_whose_reply_was_lost_runs_on_its_single_owners_slot() -> None:
+    """A claim lands but its reply is lost, on a gate whose one running slot only this
+    worker holds: once the orphaned claim's lease expires, the worker's own sweep finds
+    the task and runs it (it is not left RUNNING for good)."""
+    store, ran = Faulty(), list[str]()
+    store.lost = 1
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="orphan")
+    await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["orphan"])
+    task = await runner.get("orphan")
+    assert task.state is TaskState.SUCCESS and [e.worker_id for e in task.workers] == ["w"]
