@@ -102,9 +102,15 @@ class GateKeeper:
             return ""
         gate = gate_id(name, limit.limit_by, params)
         self._names[gate] = name
-        if (lease := self._leases.get(gate)) is not None:
-            lease.wanted = max(lease.wanted, self.now())  # a task of it is about: not idle
         return gate
+
+    def want(self, gate: str) -> None:
+        """A task of ``gate`` was queued as this worker's own: its lanes and slots have a
+        use (they are not idle, and the worker has its own backlog of the gate). Tasks it
+        only sees (others' backlog, in a sweep) say nothing of the kind: counting them
+        kept a worker with open lanes from ever taking on that backlog."""
+        if (lease := self._leases.get(gate)) is not None:
+            lease.wanted = max(lease.wanted, self.now())
 
     def name_of(self, gate: str) -> str:
         return self._names.get(gate, gate.split("#", 1)[0])

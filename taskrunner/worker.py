@@ -235,7 +235,10 @@ class Worker:
         # slot of the gate open right now takes it on.
         gate = self.gates.gate_of(task.name, task.params)
         stealable = task.state is TaskState.RUNNING or not gate or self.gates.spare(gate)
-        if mine or self.owns(task, gate) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
+        own = mine or self.owns(task, gate)
+        if own or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
+            if own and gate:
+                self.gates.want(gate)
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers

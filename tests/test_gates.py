@@ -31,10 +31,11 @@ from taskrunner.gates import (
     gate_id,
     parse_rate,
 )
+from taskrunner.rules import bucket_of
 from taskrunner.store.base import Claim, Window
 from taskrunner.store.memory import MemoryStore
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
+from taskrunner.worker import Worker, owned_buckets
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 NAME = "call_api"
@@ -427,3 +428,35 @@ async def test_a_claim_whose_reply_was_lost_runs_on_its_single_owners_slot() -> 
     await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["orphan"])
     task = await runner.get("orphan")
     assert task.state is TaskState.SUCCESS and [e.worker_id for e in task.workers] == ["w"]
+
+
+async def test_a_worker_with_an_open_slot_takes_on_another_owners_backlog_of_the_gate() -> None:
+    """Two workers hold one running slot each of a max_running=2 gate; one owns six tasks
+    and the other one. Once its own task is done, the other worker's open slot takes on
+    part of the first one's backlog (seeing that backlog in its sweeps does not count as
+    having its own)."""
+    store = MemoryStore()
+    runner = TaskRunner(store=store)
+    ran: dict[str, str] = {}
+
+    @runner.task("pair", max_running=2)
+    async def pair(params: dict[str, Any], ctx: TaskContext) -> None:
+        await asyncio.sleep(0.6)
+        ran[ctx.key] = ctx.worker_id
+
+    workers = [Worker(runner, worker_id=w, beat_interval=0.2) for w in ("w1", "w2")]
+    running = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        await wait_for(lambda: all(w.peers for w in workers), 10, "the workers to see each other")
+        mine = {w: set(owned_buckets(w, [o for o in ("w1", "w2") if o != w])) for w in ("w1", "w2")}
+        keys = (f"k{i}" for i in range(1000))
+        w1_keys = [k for k in keys if bucket_of(k) in mine["w1"]][:6]
+        w2_key = next(k for k in (f"j{i}" for i in range(1000)) if bucket_of(k) in mine["w2"])
+        await runner.publish_many([{"name": "pair", "key": k} for k in [w2_key, *w1_keys]])
+        await wait_for(lambda: len(ran) == 7, 30, "every task to run")
+    finally:
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*running)
+    assert ran[w2_key] == "w2"
+    assert any(ran[k] == "w2" for k in w1_keys)
