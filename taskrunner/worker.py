@@ -45,7 +45,7 @@ from taskrunner.errors import (
     StoreError,
     TaskRunnerError,
 )
-from taskrunner.execution import Execution
+from taskrunner.execution import Execution, Stop
 from taskrunner.fields import BUCKETS
 from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import Limit, Permit, dealt_to
@@ -193,6 +193,7 @@ class Worker:
             capacity=self.concurrency,
             peers=self._serving,
             throttled=lambda gate: self.limits.gate_throttles.get(gate),
+            stop_run=self._slot_lost,
         )
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
@@ -715,6 +716,7 @@ class Worker:
             writes=self.writes,
             heartbeat=self.heartbeat,
             throttle=self._throttle,
+            holds_slot=self.gates.holds_slot,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
@@ -726,6 +728,12 @@ class Worker:
             self.log.warning(
                 "taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over
             )
+
+    def _slot_lost(self, run_id: str) -> None:
+        """A run's fleet-wide running slot is lost or lapsing: it stops and releases its
+        claim, as a run whose claim is lost stops (another run may take the slot)."""
+        if (run := self.runs.get(run_id)) is not None:
+            run[0].stop(Stop.SLOT_LOST)
 
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)

@@ -16,9 +16,11 @@ import pytest
 from taskrunner import TaskContext, TaskRunner, TaskState
 from taskrunner.claimqueue import Due
 from taskrunner.errors import InvalidTask, StoreUnavailable
+from taskrunner.execution import Execution, Stop
 from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import (
     EPOCH,
+    FENCE,
     IDLE,
     LEASE,
     Change,
@@ -71,9 +73,11 @@ class Fleet:
         self.t, self.limit, self.starts, self.serial = 0.0, limit, list[float](), 0
         self.store = CutOff(clock=lambda: at(self.t))
         self.names: list[str] = []
+        self.stopped: list[str] = []
 
     def keeper(self, worker: str, skew: float = 0.0, capacity: int = 10) -> GateKeeper:
-        """A worker whose estimate of the server's clock is off by ``skew`` seconds."""
+        """A worker whose estimate of the server's clock is off by ``skew`` seconds; the
+        runs it is told to stop go to ``self.stopped``."""
         self.names.append(worker)
         return GateKeeper(
             self.store,
@@ -82,6 +86,7 @@ class Fleet:
             {NAME: self.limit},
             capacity=capacity,
             peers=lambda name: list(self.names),
+            stop_run=self.stopped.append,
         )
 
     def due(self, count: int, gate: str = NAME) -> list[Due]:
@@ -96,8 +101,12 @@ class Fleet:
             taken = permit.start <= landed <= permit.until
             if taken:
                 self.starts.append(self.t + delay)
-            keeper.used(permit, landed if taken else None, f"run{self.serial}-{permit.id}" if taken else None)
+            keeper.used(permit, landed if taken else None, self.run_of(permit) if taken else None)
         return [permit for _, permit in ready]
+
+    @staticmethod
+    def run_of(permit: Permit) -> str:
+        return f"run-{permit.id}"
 
     async def gate(self, gate: str = NAME) -> GateDoc:
         doc, problem = GateDoc.read(await self.store.read_gate(gate), gate, NAME)
@@ -257,6 +266,89 @@ async def test_a_throttled_gate_starts_nothing_until_the_throttle_ends() -> None
     assert not isinstance(state, str) and [t.gate for t in state.throttled_gates] == [NAME]
     fleet.t = 30.3  # the stored end, and a quarter second for the worker's clock
     assert len(await fleet.start(a, 1)) == 1
+
+
+async def test_a_lowered_rate_applies_at_once_to_the_lanes_held() -> None:
+    """4/s lowered to 1/s: the very next claim gets one permit, not one per lane held."""
+    fleet = Fleet(Limit(Rate(4, 1.0)))
+    keeper = fleet.keeper("w")
+    ready, _ = await keeper.admit(fleet.due(4), 4)
+    keeper.unused(permit for _, permit in ready)  # four lanes held and open
+    keeper.set_limits({NAME: Limit(Rate(1, 1.0))})
+    assert len((await keeper.admit(fleet.due(4), 4))[0]) == 1
+
+
+async def test_a_lowered_max_running_counts_the_runs_still_on_held_slots() -> None:
+    """max_running 2 lowered to 1 while one run holds a slot: no new run starts until it
+    ends (not on the other slot this worker holds, nor on one asked for), then one does."""
+    fleet = Fleet(Limit(max_running=2))
+    keeper = fleet.keeper("w")
+    [running, ended] = await fleet.start(keeper, 2)
+    keeper.finished(fleet.run_of(ended))
+    keeper.set_limits({NAME: Limit(max_running=1)})
+    assert (await keeper.admit(fleet.due(1), 1))[0] == []
+    await keeper.tend()  # gives back the free slot (the limit changed)
+    fleet.t = 2.0
+    assert (await keeper.admit(fleet.due(1), 1))[0] == []
+    keeper.finished(fleet.run_of(running))
+    await keeper.tend()
+    fleet.t = 8.0
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 1
+    assert (await fleet.gate()).shape == "0/1"
+
+
+async def test_a_lowered_max_running_counts_another_workers_runs_on_slots_past_it() -> None:
+    """Two workers each run on one of two slots when max_running drops to 1: the first to
+    finish does not start another while the other's run holds the slot past the limit."""
+    fleet = Fleet(Limit(max_running=2))
+    # a: the worker dealt slot 0, under either limit; b holds slot 1.
+    a, b = sorted(["x", "y"], key=lambda w: not dealt(NAME, 1, w, ["x", "y"]))
+    keepers = {w: fleet.keeper(w) for w in (a, b)}
+    [on_a], [on_b] = await fleet.start(keepers[a], 1), await fleet.start(keepers[b], 1)
+    assert (on_a.slot, on_b.slot) == (0, 1)
+    for keeper in keepers.values():
+        keeper.set_limits({NAME: Limit(max_running=1)})
+    keepers[a].finished(fleet.run_of(on_a))
+    await keepers[a].tend()
+    fleet.t = 8.0
+    assert await fleet.start(keepers[a], 1) + await fleet.start(keepers[b], 1) == []
+    keepers[b].finished(fleet.run_of(on_b))
+    await keepers[b].tend()
+    fleet.t = 16.0
+    assert len(await fleet.start(keepers[a], 1) + await fleet.start(keepers[b], 1)) == 1
+
+
+async def test_a_run_stops_when_its_running_slot_is_lost_or_about_to_lapse() -> None:
+    """A worker cut off from the gate stops the run on a slot FENCE seconds before its
+    lease ends; a worker whose renewal finds its slot taken stops that slot's run; and
+    a run asks before writing its outcome: a slot it still holds answers yes."""
+    fleet = Fleet(Limit(max_running=1))
+    keeper = fleet.keeper("a")
+    [permit] = await fleet.start(keeper, 1)
+    run = fleet.run_of(permit)
+    assert await keeper.holds_slot(run) and await keeper.holds_slot("not-a-gated-run")
+    fleet.store.cut = True
+    fleet.t = LEASE - FENCE - 0.5
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    assert fleet.stopped == []
+    fleet.t = LEASE - FENCE + 0.1
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    assert fleet.stopped == [run] and not await keeper.holds_slot(run)
+
+    fleet.store.cut, fleet.stopped[:] = False, []
+    other = Fleet(Limit(max_running=1))
+    a, b = other.keeper("a"), other.keeper("b")
+    other.names.remove("b")
+    [permit] = await other.start(a, 1)
+    run = other.run_of(permit)
+    other.t = LEASE + 1  # a was frozen past its lease and left the registry: b takes the slot
+    other.names[:] = ["b"]
+    assert len(await other.start(b, 1)) == 1
+    other.names.append("a")
+    assert not await a.holds_slot(run)  # it tries to renew, and finds the slot taken
+    assert other.stopped == [run]
 
 
 def test_writes_expect_only_the_lanes_they_touch() -> None:
@@ -460,3 +552,25 @@ async def test_a_worker_with_an_open_slot_takes_on_another_owners_backlog_of_the
         await asyncio.gather(*running)
     assert ran[w2_key] == "w2"
     assert any(ran[k] == "w2" for k in w1_keys)
+
+
+async def test_a_run_whose_slot_was_lost_releases_its_claim_instead_of_its_outcome() -> None:
+    """A handler that finishes after its running slot was lost (its worker frozen past
+    the slot's lease, say) records no outcome: its claim is released, nothing spent, so
+    the task runs again on a slot rather than count as a run beyond max_running."""
+    store, ran = MemoryStore(), list[str]()
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="late")
+    claim = await store.claim("w", key="late")
+    assert claim is not None
+    asked: list[str] = []
+
+    async def holds_slot(run_id: str) -> bool:
+        asked.append(run_id)
+        return False
+
+    execution = Execution(claim, store=store, handlers=runner.handlers, worker_id="w", holds_slot=holds_slot)
+    await execution.run()
+    task = await runner.get("late")
+    assert ran == ["late"] and asked == [claim.run_id] and execution.stopped is Stop.SLOT_LOST
+    assert task.state is TaskState.PENDING and task.workers == [] and task.failures == 0
