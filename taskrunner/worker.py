@@ -255,6 +255,10 @@ class Worker:
         """The active names without fleet-wide limits: claimed without a gate's permit."""
         return [name for name in self.active_names() if name not in self.gates.limits]
 
+    def _gated(self, names: list[str]) -> list[str]:
+        """The names with fleet-wide limits: sweeps read each one's tasks on its own."""
+        return [name for name in names if name in self.gates.limits]
+
     def _paused_changed(self, paused: frozenset[str]) -> None:
         """Drop queued tasks of newly paused names; sweep at once for resumed ones' backlog."""
         self.log.info("paused names changed", paused=sorted(paused))
@@ -464,7 +468,9 @@ class Worker:
         # time then, which this worker's estimate of the server clock may not have reached yet.
         horizon = self._server_now() + timedelta(seconds=DRAIN_SLACK)
         try:
-            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT)
+            page = await self.store.due(
+                self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT, apart=self._gated(names)
+            )
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
             return False
@@ -660,7 +666,9 @@ class Worker:
         if not names:  # everything paused: resuming asks for a sweep
             return
         try:
-            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=limit)
+            page = await self.store.due(
+                self.worker_id, names, horizon=horizon, limit=limit, apart=self._gated(names)
+            )
         except StoreError as exc:
             self.sweep_at(now + self._claims.failed(exc))
             return

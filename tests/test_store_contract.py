@@ -655,6 +655,26 @@ async def test_due_lists_a_task_held_by_the_workers_own_expired_lease(store: Sto
     assert claim is not None and [e.worker_id for e in claim.task.workers] == ["w1"]
 
 
+async def test_due_reads_each_limited_names_tasks_apart_from_other_backlogs(store: Store) -> None:
+    """A backlog published first fills a sweep's ``limit`` only for its own group: the
+    tasks of a name swept apart (one with fleet-wide limits) are listed all the same, and
+    a limited name's own backlog hides no other name's tasks; a full group sets ``after``."""
+    await publish(store, *(task(f"bulk{i}") for i in range(6)))
+    await publish(store, *(task(f"gated{i}", name="gated") for i in range(2)))
+    await publish(store, task("late", name="other"))
+    now = await store.server_time()
+    names = ["job", "gated", "other"]
+    mixed = await store.due("w1", names, horizon=now, limit=3)
+    assert [t.key for t in mixed.tasks] == ["bulk0", "bulk1", "bulk2"] and mixed.after is not None
+    page = await store.due("w1", names, horizon=now, limit=3, apart=["gated"])
+    assert sorted(t.key for t in page.tasks) == ["bulk0", "bulk1", "bulk2", "gated0", "gated1"]
+    assert page.after is not None
+    page = await store.due("w1", names, horizon=now, limit=2, apart=["job", "gated"])
+    assert sorted(t.key for t in page.tasks) == ["bulk0", "bulk1", "gated0", "gated1", "late"]
+    page = await store.due("w1", ["gated", "other"], horizon=now, limit=3, apart=["gated"])
+    assert sorted(t.key for t in page.tasks) == ["gated0", "gated1", "late"] and page.after is None
+
+
 async def test_due_lists_expired_leases_before_a_backlog_of_older_new_tasks(
     store: Store, elapse: Elapse
 ) -> None:

@@ -297,24 +297,36 @@ def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> di
 
 
 def due_pipeline(
-    collection: str, worker_id: str, names: list[str], horizon: Any, limit: int
+    collection: str,
+    worker_id: str,
+    names: list[str],
+    horizon: Any,
+    limit: int,
+    apart: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """The sweep as one aggregate: RUNNING tasks (expired leases: takeovers) first, then
-    PENDING ones, each the earliest ``limit`` by ``claimable_at`` through the claim index.
-    Two ranges instead of one sort on claimable_at, because a takeover's claimable_at (its
-    lease expiry) is later than a whole backlog's: it would wait until the backlog drained.
+    PENDING ones, each the earliest ``limit`` by ``claimable_at``: the names in ``apart``
+    (those with fleet-wide limits) each on its own through the ``name_claim`` index, the
+    others together through the claim index. RUNNING apart from PENDING, because a
+    takeover's claimable_at (its lease expiry) is later than a whole backlog's: it would
+    wait until the backlog drained. A limited name apart, because its tasks wait for its
+    gate, not for a free worker: a backlog of it would fill every sweep and hide the other
+    names' tasks, and another name's backlog would hide its tasks while its gates idle.
     Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
     the worker normalizes."""
 
-    def branch(state: str) -> list[dict[str, Any]]:
-        match = due_filter(worker_id, names, horizon, state)
+    def branch(state: str, of: list[str]) -> list[dict[str, Any]]:
+        match = due_filter(worker_id, of, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
-    pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
-    unsettled = {
-        "$unionWith": {"coll": collection, "pipeline": [{"$match": unsettled_filter()}, {"$limit": limit}]}
-    }
-    return [*branch(TaskState.RUNNING.value), pending, unsettled]
+    def union(pipeline: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"$unionWith": {"coll": collection, "pipeline": pipeline}}
+
+    together = [name for name in names if name not in apart]
+    groups = ([together] if together else []) + [[name] for name in names if name in apart]
+    pending = [union(branch(TaskState.PENDING.value, group)) for group in groups]
+    unsettled: list[dict[str, Any]] = [{"$match": unsettled_filter()}, {"$limit": limit}]
+    return [*branch(TaskState.RUNNING.value, names), *pending, union(unsettled)]
 
 
 def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
