@@ -33,6 +33,8 @@ from taskrunner.gates import (
     IDLE,
     Change,
     GateDoc,
+    HeldLane,
+    HeldSlot,
     Lease,
     Limit,
     Permit,
@@ -377,13 +379,25 @@ class GateKeeper:
                 self._stop(held.run, "its running slot's lease is ending unrenewed")
 
     async def _release(self, gate: str, name: str, lease: Lease, lanes: set[int], slots: set[int]) -> None:
-        """Give back these lanes and slots (none with a claim or a run on it)."""
+        """Give back these lanes and slots (none with a claim or a run on it). They start
+        nothing while the write is on its way: a claim made on one meanwhile would run on
+        a lane or slot the gate may already have handed to another worker."""
+        leaving: list[HeldLane | HeldSlot] = [lease.lanes[i] for i in lanes if i in lease.lanes]
+        leaving += [lease.slots[j] for j in slots if j in lease.slots]
+        for held in leaving:
+            held.leaving = True
 
         def giving(change: Change, now: datetime) -> None:
             probe = Lease(dict(lease.lanes), dict(lease.slots))
             release(change, probe, self.worker_id, now, lanes, slots)
 
-        if not await self._write(gate, name, giving):
+        gone = False
+        try:
+            gone = await self._write(gate, name, giving)
+        finally:
+            for held in leaving:
+                held.leaving = False
+        if not gone:
             return
         for i in lanes:
             lease.lanes.pop(i, None)

@@ -199,6 +199,8 @@ class HeldLane:
     until: datetime
     permit: str | None = None
     """The permit using it right now (a claim on its way)."""
+    leaving: bool = False
+    """Being given back: it starts nothing more."""
     ready: float = 0.0
     """When to claim on it, by this worker's estimate of server time: a period after the
     reply to its last start arrived, which the server's clock has then passed whatever
@@ -214,6 +216,8 @@ class HeldSlot:
     run: str | None = None
     """The run holding it, from its claim until its outcome is written."""
     permit: str | None = None
+    leaving: bool = False
+    """Being given back: it starts nothing more."""
     stale: bool = False
     """Held when the gate's limits changed: it starts nothing more and goes back once
     free, so a lowered max_running counts the runs still on such slots."""
@@ -289,7 +293,11 @@ class Lease:
         return [
             j
             for j, s in self.slots.items()
-            if j < size and s.run is None and s.permit is None and not s.stale and s.until > now
+            if j < size
+            and s.run is None
+            and s.permit is None
+            and not (s.stale or s.leaving)
+            and s.until > now
         ]
 
     def _open_lanes(self, limit: Limit, now: datetime) -> list[int]:
@@ -300,7 +308,7 @@ class Lease:
         open_ = [
             i
             for i, h in self.lanes.items()
-            if i < size and h.permit is None and h.ready <= at and h.until > now
+            if i < size and h.permit is None and not h.leaving and h.ready <= at and h.until > now
         ]
         return sorted(open_, key=lambda i: self.lanes[i].ready)
 
@@ -466,17 +474,19 @@ def _size(rate: Rate | None) -> int:
 
 
 def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
-    """Extend the lease of every lane and slot ``lease`` holds that is still this
-    worker's; forget the others (their lease lapsed and someone took them)."""
+    """Extend the lease of every lane and slot ``lease`` holds that the gate still names
+    this worker the holder of; forget the others (their lease lapsed and someone took
+    them, or they were given back). Only this worker writes its own id, so a later
+    ``until`` than it knows is its own renewal whose reply was lost: still its own."""
     gate, until = change.work, lease_end(now)
     for i, held in list(lease.lanes.items()):
-        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker:
             gate.lanes[i] = Lane(holder=worker, until=until, next=held.next, freed=gate.lanes[i].freed)
             change.lanes.add(i)
         else:
             del lease.lanes[i]
-    for j, slot in list(lease.slots.items()):
-        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+    for j in list(lease.slots):
+        if j < len(gate.running) and gate.running[j].holder == worker:
             gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
             change.slots.add(j)
         else:
@@ -486,16 +496,17 @@ def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
 def release(
     change: Change, lease: Lease, worker: str, now: datetime, lanes: set[int], slots: set[int]
 ) -> None:
-    """Give back these lanes and slots of ``lease`` (a lane records its next start)."""
+    """Give back these lanes and slots of ``lease`` that the gate still names this worker
+    the holder of (see ``renew``); a lane records its next start."""
     gate = change.work
     for i in lanes & set(lease.lanes):
         held = lease.lanes.pop(i)
-        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker:
             gate.lanes[i] = Lane(next=held.next, freed=now)
             change.lanes.add(i)
     for j in slots & set(lease.slots):
-        slot = lease.slots.pop(j)
-        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+        lease.slots.pop(j)
+        if j < len(gate.running) and gate.running[j].holder == worker:
             gate.running[j] = Slot(freed=now)
             change.slots.add(j)
 

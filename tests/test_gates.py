@@ -31,6 +31,7 @@ from taskrunner.gates import (
     Rate,
     dealt,
     gate_id,
+    lease_end,
     parse_rate,
 )
 from taskrunner.rules import bucket_of
@@ -48,9 +49,13 @@ def at(seconds: float) -> datetime:
 
 
 class CutOff(MemoryStore):
-    """A memory store whose gate documents cannot be read or written while ``cut``."""
+    """A memory store whose gate documents cannot be read or written while ``cut``, and
+    whose next ``lose`` gate writes are applied but their replies lost."""
 
     cut = False
+    lose = 0
+    hold: asyncio.Event | None = None  # gate writes wait for it (a write on its way)
+    held = 0
 
     async def read_gate(self, gate: str) -> dict[str, Any] | None:
         if self.cut:
@@ -62,7 +67,14 @@ class CutOff(MemoryStore):
     ) -> dict[str, Any] | None:
         if self.cut:
             raise StoreUnavailable("connection closed")
-        return await super().update_gate(gate, expect, changes, create=create)
+        if self.hold is not None:
+            self.held += 1
+            await self.hold.wait()
+        written = await super().update_gate(gate, expect, changes, create=create)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailable("connection closed before the reply")
+        return written
 
 
 class Fleet:
@@ -349,6 +361,46 @@ async def test_a_run_stops_when_its_running_slot_is_lost_or_about_to_lapse() -> 
     other.names.append("a")
     assert not await a.holds_slot(run)  # it tries to renew, and finds the slot taken
     assert other.stopped == [run]
+
+
+async def test_a_renewal_whose_reply_was_lost_keeps_the_lanes_and_slots_it_renewed() -> None:
+    """A renewal lands but its reply is lost: the gate names the worker with a later
+    lease than it knows, which is still its own; the next renewal keeps every lane and
+    slot, and the run on the slot goes on."""
+    fleet = Fleet(Limit(Rate(1, 1.0), max_running=1))
+    keeper = fleet.keeper("a")
+    [permit] = await fleet.start(keeper, 1)
+    fleet.t = LEASE / 3 + 0.1
+    fleet.store.lose = 1
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    fleet.t += 1.0
+    await keeper.tend()
+    gate = await fleet.gate()
+    assert [lane.holder for lane in gate.lanes] == ["a"] and [slot.holder for slot in gate.running] == ["a"]
+    assert fleet.stopped == [] and await keeper.holds_slot(fleet.run_of(permit))
+    assert gate.running[0].until == gate.lanes[0].until == lease_end(at(fleet.t))
+
+
+async def test_lanes_and_slots_being_given_back_start_nothing_meanwhile() -> None:
+    """A worker joined, so at its renewal the first worker gives back the lane and slot
+    now dealt to the newcomer: while that write is on its way, they start nothing (the
+    newcomer may take them as it lands); the lane and slot it keeps still do."""
+    fleet = Fleet(Limit(Rate(2, 1.0), max_running=2))
+    keeper = fleet.keeper("a")
+    ready, _ = await keeper.admit(fleet.due(2), 2)
+    keeper.unused(permit for _, permit in ready)
+    fleet.names.append("b")
+    fleet.t = LEASE / 3 + 0.5
+    fleet.store.hold = asyncio.Event()
+    tending = asyncio.create_task(keeper.tend())
+    await wait_for(lambda: fleet.store.held, 5, "the release to be on its way")
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 1
+    fleet.store.hold.set()
+    await tending
+    gate = await fleet.gate()
+    assert sorted(map(str, (lane.holder for lane in gate.lanes))) == ["None", "a"]
+    assert sorted(map(str, (slot.holder for slot in gate.running))) == ["None", "a"]
 
 
 def test_writes_expect_only_the_lanes_they_touch() -> None:
