@@ -646,7 +646,7 @@ def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
     outcomes, as one aggregate whose parts each read an index (a ``$facet`` would scan the
     collection: its sub-pipelines cannot use indexes). Each row has ``_id.part``:
 
-    * counts: the ``name_state`` index walked in order, covered (no document is read);
+    * counts: the ``name_claim`` index walked in order, covered (no document is read);
     * oldest pending: PENDING keys of the ``claim`` index, covered (it holds created_at);
     * recent: tasks written since ``hour_ago`` (server time) through the ``updated`` index,
       since every write that ends a run stamps ``updated_at`` with the run's ``finished_at``.
