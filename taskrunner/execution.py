@@ -56,9 +56,10 @@ class Stop(enum.Enum):
     NOT_ALLOWED = "worker no longer in worker_ids"  # release
     CANCELED = "task canceled"  # release
     SHUTDOWN = "worker shutting down"  # release
+    SLOT_LOST = "running slot lost"  # release: the run may not count against max_running
 
 
-RELEASING = (Stop.NOT_ALLOWED, Stop.CANCELED, Stop.SHUTDOWN)
+RELEASING = (Stop.NOT_ALLOWED, Stop.CANCELED, Stop.SHUTDOWN, Stop.SLOT_LOST)
 LEASE_ENDS = {
     RunStatus.LOST: Stop.LOST,
     RunStatus.CANCELED: Stop.CANCELED,
@@ -116,11 +117,13 @@ class Execution:
         writes: RunWrites | None = None,
         heartbeat: Heartbeat | None = None,
         throttle: Callable[[Task, float], Awaitable[None]] | None = None,
+        holds_slot: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name
-        when its handler raises ``RateLimited``."""
-        self.throttle = throttle
+        when its handler raises ``RateLimited``. ``holds_slot``: whether the run still
+        holds its fleet-wide running slot, asked before its outcome is written."""
+        self.throttle, self.holds_slot = throttle, holds_slot
         self.observer: WorkerObserver = observer or NullObserver()
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
@@ -165,6 +168,9 @@ class Execution:
             raise
         await self._conclude()
 
+    async def _slot_held(self) -> bool:
+        return self.holds_slot is None or await self.holds_slot(self.run_id)
+
     def _prepare(self) -> tuple[Registration, Any]:
         registration = self.handlers.get(self.task.name)
         return registration, registration.parse(self.task.params)
@@ -173,6 +179,11 @@ class Execution:
         assert self._handler is not None
         with_outcome = not self._handler.cancelled() and self.stopped is None
         outcome = self._handler.result() if with_outcome else None
+        if outcome is not None and outcome.snooze is None and not await self._slot_held():
+            # Another run may hold its slot by now (this worker was frozen or cut off past
+            # the slot's lease): recording this one as done would exceed max_running.
+            self.stop(Stop.SLOT_LOST)
+            outcome = None
         self.heartbeat.remove(self.run_id)
         seconds = time.monotonic() - self.started
         if outcome is not None and outcome.snooze is not None:

@@ -204,14 +204,15 @@ def ref(path: str) -> str:
 # key_unique: idempotent publish and every keyed write.
 # claim: the claim filter (state in PENDING/RUNNING, claimable_at <= now) and its
 #   sort (priority desc, created_at asc).
-# name_state: operators' listing by name and state.
+# name_claim: the sweep's PENDING tasks per name (name, state, then claimable_at order),
+#   so one name's backlog never hides another's; also operators' listing by name and state.
 # worker: which tasks a worker runs or ran (`taskrunner list --worker`).
 # created, updated: the dashboard's task list, newest first, paged by (time, key) without
 #   a skip; updated costs every write one more index entry, the price of a live list.
 INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "key_unique": ([(KEY, 1)], {"unique": True}),
     "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
-    "name_state": ([(NAME, 1), (STATE, 1)], {}),
+    "name_claim": ([(NAME, 1), (STATE, 1), (CLAIMABLE_AT, 1)], {}),
     "worker": ([(f"{WORKERS}.{WORKER_ID}", 1)], {}),
     "created": ([(CREATED_AT, -1), (KEY, -1)], {}),
     "updated": ([(UPDATED_AT, -1), (KEY, -1)], {}),

@@ -29,9 +29,12 @@ import structlog
 from taskrunner import fields as f
 from taskrunner.errors import StoreError
 from taskrunner.gates import (
+    FENCE,
     IDLE,
     Change,
     GateDoc,
+    HeldLane,
+    HeldSlot,
     Lease,
     Limit,
     Permit,
@@ -44,6 +47,7 @@ from taskrunner.gates import (
     resize,
     take,
 )
+from taskrunner.outage import Outage
 
 if TYPE_CHECKING:
     from taskrunner.claimqueue import Due
@@ -74,14 +78,18 @@ class GateKeeper:
         capacity: int,
         peers: Callable[[str], list[str]] | None = None,
         throttled: Callable[[str], float | None] | None = None,
+        stop_run: Callable[[str], None] | None = None,
     ) -> None:
         """``now``: the worker's estimate of server time (POSIX seconds); ``capacity``: the
         most running slots of one gate it leases (its concurrency); ``peers``: ids of the
         live workers serving a name, this one included (whose lanes and slots are whose);
-        ``throttled``: until when a gate is held back by a handler's ``RateLimited``."""
+        ``throttled``: until when a gate is held back by a handler's ``RateLimited``;
+        ``stop_run``: stops a run whose running slot is lost (its claim is released)."""
         self.store, self.worker_id, self.now, self.capacity = store, worker_id, now, capacity
         self.peers = peers or (lambda name: [worker_id])
         self.throttled = throttled or (lambda gate: None)
+        self.stop_run = stop_run or (lambda run_id: None)
+        self._runs: dict[str, str] = {}  # run -> the gate whose running slot it holds
         self.limits = dict(limits)
         self.wake = asyncio.Event()
         self._leases: dict[str, Lease] = {}
@@ -102,9 +110,15 @@ class GateKeeper:
             return ""
         gate = gate_id(name, limit.limit_by, params)
         self._names[gate] = name
-        if (lease := self._leases.get(gate)) is not None:
-            lease.wanted = max(lease.wanted, self.now())  # a task of it is about: not idle
         return gate
+
+    def want(self, gate: str) -> None:
+        """A task of ``gate`` was queued as this worker's own: its lanes and slots have a
+        use (they are not idle, and the worker has its own backlog of the gate). Tasks it
+        only sees (others' backlog, in a sweep) say nothing of the kind: counting them
+        kept a worker with open lanes from ever taking on that backlog."""
+        if (lease := self._leases.get(gate)) is not None:
+            lease.wanted = max(lease.wanted, self.now())
 
     def name_of(self, gate: str) -> str:
         return self._names.get(gate, gate.split("#", 1)[0])
@@ -113,11 +127,16 @@ class GateKeeper:
         """Apply new limits; returns the names whose limits changed. Their lanes and slots
         go back to their gates at the next tick (a gate's shape follows its limit)."""
         changed = {n for n in set(limits) | set(self.limits) if limits.get(n) != self.limits.get(n)}
+        lowered = {n for n in changed if _fewer_runs(self.limits.get(n), limits.get(n))}
         self.limits = dict(limits)
         self._changed |= changed
         for gate, lease in self._leases.items():
-            if self.name_of(gate) in changed:
+            name = self.name_of(gate)
+            if name in changed:
                 lease.retry = 0.0
+            if name in lowered:  # runs on them count against the new limit until they end
+                for held in lease.slots.values():
+                    held.stale = True
         self.wake.set()
         return changed
 
@@ -144,18 +163,28 @@ class GateKeeper:
     ) -> tuple[list[tuple[Due, Permit]], list[tuple[Due, float]]]:
         """Permits for up to ``room`` due entries that may be claimed now, and the entries
         to put back until the given time; entries past ``room`` are left as they are.
-        Raises ``StoreError`` when the gate cannot be read or written."""
+        Raises ``StoreError`` when the gate cannot be read or written, and then every
+        permit it made is given back (nothing was claimed with them)."""
         now = self.now()
         ready: list[tuple[Due, Permit]] = []
         later: list[tuple[Due, float]] = []
         by_gate: dict[str, list[Due]] = defaultdict(list)
         for entry in due:
             by_gate[entry.gate].append(entry)
-        for gate, entries in by_gate.items():
-            entries = entries[: max(0, room - len(ready))]
-            if entries:
-                await self._admit(gate, entries, now, ready, later)
+        try:
+            for gate, entries in by_gate.items():
+                entries = entries[: max(0, room - len(ready))]
+                if entries:
+                    await self._admit(gate, entries, now, ready, later)
+        except BaseException:
+            self.unused([permit for _, permit in ready])
+            raise
         return ready, later
+
+    def unused(self, permits: Iterable[Permit]) -> None:
+        """These permits claimed nothing, for sure: their lanes and slots are free again."""
+        for permit in permits:
+            self.used(permit, None)
 
     async def _admit(
         self,
@@ -178,7 +207,13 @@ class GateKeeper:
         permits = lease.permits(gate, limit, len(entries), at)
         waiting = len(entries) - len(permits)
         if waiting and now >= lease.retry and self._wants_more(gate, lease, limit, name):
-            await self._ask(gate, name, lease, limit, waiting)  # raises StoreError only when the server does
+            try:
+                await self._ask(
+                    gate, name, lease, limit, waiting
+                )  # raises StoreError only when the server does
+            except BaseException:
+                self.unused(permits)
+                raise
             permits += lease.permits(gate, limit, waiting, at)
         if throttled is not None:  # ended by this worker's clock: the server checks it too
             permits = [replace(p, start=max(p.start, _utc(throttled))) for p in permits]
@@ -221,7 +256,7 @@ class GateKeeper:
         times = []
         for k in range(count):
             lane = opens[k] if k < len(opens) else ask if limit.rate else now
-            slot = (now + RECHECK if lease.slots else ask) if limit.max_running else now
+            slot = (now + RECHECK if lease.usable_slots(limit) else ask) if limit.max_running else now
             times.append(max(lane, slot, now + 0.001))
         return times
 
@@ -232,11 +267,35 @@ class GateKeeper:
         if lease is not None:
             limit = self.limits.get(self.name_of(permit.gate)) or Limit()
             lease.used(permit, started, limit.rate.period if limit.rate else 0.0, run_id, self.now())
+            if run_id is not None and permit.slot is not None and started is not None:
+                self._runs[run_id] = permit.gate
 
     def finished(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
         for lease in self._leases.values():
             if lease.finished(run_id):
                 return
+
+    async def holds_slot(self, run_id: str) -> bool:
+        """Whether ``run_id`` may write its outcome: it holds no running slot, or still
+        holds its slot's lease with time to spare. A lease about to end (the worker was
+        frozen or cut off past its renewals) is renewed first; a slot lost meanwhile
+        (another worker took it) means the run must not count as done: it could not
+        have been one of max_running runs all along."""
+        gate = self._runs.get(run_id)
+        if gate is None:
+            return True
+        lease = self._leases.get(gate)
+        if lease is None or (slot := lease.slot_of(run_id)) is None:
+            return False
+        if slot.until.timestamp() - FENCE > self.now():
+            return True
+        try:
+            await self._renew(gate, self.name_of(gate), lease)
+        except StoreError:
+            return False
+        slot = lease.slot_of(run_id)
+        return slot is not None and slot.until.timestamp() - FENCE > self.now()
 
     async def throttle(self, gate: str, name: str, seconds: float) -> None:
         """``RateLimited`` for a ``limit_by`` value: no worker starts a task of ``gate`` for
@@ -292,6 +351,9 @@ class GateKeeper:
             log.warning(
                 "lost lanes or running slots whose lease lapsed", lanes=sorted(lost[0]), slots=sorted(lost[1])
             )
+        for j in lost[1]:
+            if (run := lease.slots[j].run) is not None:
+                self._stop(run, "lost its running slot")
         for i in list(lease.lanes):
             if i in lanes:
                 lease.lanes[i].until = until
@@ -300,17 +362,42 @@ class GateKeeper:
         for j in list(lease.slots):
             if j in slots:
                 lease.slots[j].until = until
+                lease.slots[j].fenced = False
             else:
                 del lease.slots[j]
 
+    def _stop(self, run_id: str, why: str) -> None:
+        log.warning("stopping a run on a running slot", run_id=run_id, reason=why)
+        self.stop_run(run_id)
+
+    def _fence(self, lease: Lease, now: float) -> None:
+        """Stop every run whose running slot's lease ends within ``FENCE`` by this
+        worker's clock: the renewals did not land, so another worker may soon take it."""
+        for held in lease.slots.values():
+            if held.run is not None and not held.fenced and held.until.timestamp() - FENCE <= now:
+                held.fenced = True
+                self._stop(held.run, "its running slot's lease is ending unrenewed")
+
     async def _release(self, gate: str, name: str, lease: Lease, lanes: set[int], slots: set[int]) -> None:
-        """Give back these lanes and slots (none with a claim or a run on it)."""
+        """Give back these lanes and slots (none with a claim or a run on it). They start
+        nothing while the write is on its way: a claim made on one meanwhile would run on
+        a lane or slot the gate may already have handed to another worker."""
+        leaving: list[HeldLane | HeldSlot] = [lease.lanes[i] for i in lanes if i in lease.lanes]
+        leaving += [lease.slots[j] for j in slots if j in lease.slots]
+        for held in leaving:
+            held.leaving = True
 
         def giving(change: Change, now: datetime) -> None:
             probe = Lease(dict(lease.lanes), dict(lease.slots))
             release(change, probe, self.worker_id, now, lanes, slots)
 
-        if not await self._write(gate, name, giving):
+        gone = False
+        try:
+            gone = await self._write(gate, name, giving)
+        finally:
+            for held in leaving:
+                held.leaving = False
+        if not gone:
             return
         for i in lanes:
             lease.lanes.pop(i, None)
@@ -362,29 +449,45 @@ class GateKeeper:
         for name, limit in declared.items():
             if limit:
                 await self.store.declare_limits(name, describe(limit))
+        outage = Outage(
+            log, "could not renew or give back lanes and running slots", "gate writes recovered", cap=TICK
+        )
         while not stop.is_set():
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), TICK)
             self.wake.clear()
             try:
                 await self.tend()
+                outage.ok()
             except StoreError as exc:
-                log.warning("could not renew or give back lanes and running slots", error=str(exc))
+                outage.failed(exc)  # tried again at the next tick
 
     async def tend(self, everything: bool = False) -> None:
+        """Give back what has no use, renew what is due, forget gates left with nothing;
+        ``everything``: give back every lane and slot held (nothing runs here any more)."""
         now, changed = self.now(), self._changed
         self._changed = set()
+        failed: StoreError | None = None
         for gate, lease in list(self._leases.items()):
             name = self.name_of(gate)
             limit = self.limits.get(name) or Limit()
-            done = everything or name in changed or not limit or now - lease.wanted > IDLE
-            lanes, slots = self._spare(gate, lease, limit, name, done, now)
-            if lanes or slots:
-                await self._release(gate, name, lease, lanes, slots)
-            elif lease and (renew_at := lease.renew_at()) is not None and now >= renew_at:
-                await self._renew(gate, name, lease)
+            done = name in changed or not limit or now - lease.wanted > IDLE
+            if everything:
+                lanes, slots = set(lease.lanes), set(lease.slots)
+            else:
+                lanes, slots = self._spare(gate, lease, limit, name, done, now)
+            try:
+                if lanes or slots:
+                    await self._release(gate, name, lease, lanes, slots)
+                elif lease and (renew_at := lease.renew_at()) is not None and now >= renew_at:
+                    await self._renew(gate, name, lease)
+            except StoreError as exc:
+                failed = failed or exc  # the other gates are tended all the same
+            self._fence(lease, self.now())  # renewed or not, a run on a slot about to lapse stops
             if not lease and now - lease.wanted > IDLE:
                 del self._leases[gate]
+        if failed is not None:
+            raise failed
 
     def _spare(
         self, gate: str, lease: Lease, limit: Limit, name: str, done: bool, now: float
@@ -397,7 +500,10 @@ class GateKeeper:
         if done:
             return lanes, slots
         size = limit.rate.limit if limit.rate else 0
-        over = {i for i in lanes if i >= size}, {j for j in slots if j >= (limit.max_running or 0)}
+        over = (
+            {i for i in lanes if i >= size},
+            {j for j in slots if j >= (limit.max_running or 0) or lease.slots[j].stale},
+        )
         renew_at = lease.renew_at()
         if renew_at is not None and now >= renew_at:
             mine = self._mine(gate, limit, name)
@@ -415,6 +521,12 @@ class GateKeeper:
 
 def _utc(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
+
+
+def _fewer_runs(old: Limit | None, new: Limit | None) -> bool:
+    """Whether ``new`` allows fewer runs at once than ``old`` did."""
+    before, after = old.max_running if old else None, new.max_running if new else None
+    return after is not None and (before is None or after < before)
 
 
 def describe(limit: Limit) -> dict[str, Any]:

@@ -54,6 +54,10 @@ MARGIN = 0.02
 """Seconds past a lane's next start, read from the gate, before claiming on it: a
 worker's estimate of the server's clock may run a little ahead, and a claim that comes
 too early is refused. After its own start a worker needs no margin (``HeldLane.ready``)."""
+FENCE = 2.0
+"""Seconds before a running slot's lease ends, by the worker's clock, at which a run on
+it stops unless the lease was renewed: another worker may take the slot once it ends,
+and the worker's estimate of the server's clock and its last write may be that late."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(.+?)\s*$")
 
@@ -195,6 +199,8 @@ class HeldLane:
     until: datetime
     permit: str | None = None
     """The permit using it right now (a claim on its way)."""
+    leaving: bool = False
+    """Being given back: it starts nothing more."""
     ready: float = 0.0
     """When to claim on it, by this worker's estimate of server time: a period after the
     reply to its last start arrived, which the server's clock has then passed whatever
@@ -210,6 +216,13 @@ class HeldSlot:
     run: str | None = None
     """The run holding it, from its claim until its outcome is written."""
     permit: str | None = None
+    leaving: bool = False
+    """Being given back: it starts nothing more."""
+    stale: bool = False
+    """Held when the gate's limits changed: it starts nothing more and goes back once
+    free, so a lowered max_running counts the runs still on such slots."""
+    fenced: bool = False
+    """Its lease ended without a renewal and its run was told to stop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +263,7 @@ class Lease:
     def permits(self, gate: str, limit: Limit, want: int, now: datetime) -> list[Permit]:
         """Up to ``want`` permits open at ``now``: a lane whose next start has come (when
         the gate has a rate) and a free slot (when it has max_running), each used once."""
-        lanes, slots = self._open_lanes(limit, now), self._free_slots(now)
+        lanes, slots = self._open_lanes(limit, now), self._free_slots(limit, now)
         permits: list[Permit] = []
         while len(permits) < want:
             if (limit.rate and not lanes) or (limit.max_running and not slots):
@@ -272,16 +285,31 @@ class Lease:
     def open(self, limit: Limit, now: datetime) -> bool:
         """Whether a permit could start now."""
         lanes_ok = not limit.rate or bool(self._open_lanes(limit, now))
-        return lanes_ok and (not limit.max_running or bool(self._free_slots(now)))
+        return lanes_ok and (not limit.max_running or bool(self._free_slots(limit, now)))
 
-    def _free_slots(self, now: datetime) -> list[int]:
-        return [j for j, s in self.slots.items() if s.run is None and s.permit is None and s.until > now]
+    def _free_slots(self, limit: Limit, now: datetime) -> list[int]:
+        """Slots within the limit in force that could start a run now."""
+        size = limit.max_running or 0
+        return [
+            j
+            for j, s in self.slots.items()
+            if j < size
+            and s.run is None
+            and s.permit is None
+            and not (s.stale or s.leaving)
+            and s.until > now
+        ]
 
     def _open_lanes(self, limit: Limit, now: datetime) -> list[int]:
+        """Lanes within the rate in force whose next start has come."""
         if not limit.rate:
             return []
-        at = now.timestamp()
-        open_ = [i for i, h in self.lanes.items() if h.permit is None and h.ready <= at and h.until > now]
+        at, size = now.timestamp(), limit.rate.limit
+        open_ = [
+            i
+            for i, h in self.lanes.items()
+            if i < size and h.permit is None and not h.leaving and h.ready <= at and h.until > now
+        ]
         return sorted(open_, key=lambda i: self.lanes[i].ready)
 
     def opens_at(self, limit: Limit, waiting: int, now: datetime) -> list[float]:
@@ -294,7 +322,9 @@ class Lease:
         # A lane with a claim on its way opens a period after that claim's reply at the
         # earliest, so about a period from now.
         times = sorted(
-            h.ready if h.permit is None else max(h.ready, now_s) + period for h in self.lanes.values()
+            h.ready if h.permit is None else max(h.ready, now_s) + period
+            for i, h in self.lanes.items()
+            if i < limit.rate.limit
         )
         out: list[float] = []
         for k in range(waiting if times else 0):
@@ -323,6 +353,14 @@ class Lease:
                 slot.run = None
                 return True
         return False
+
+    def slot_of(self, run: str) -> HeldSlot | None:
+        """The running slot ``run`` holds, if this lease still has it."""
+        return next((slot for slot in self.slots.values() if slot.run == run), None)
+
+    def usable_slots(self, limit: Limit) -> bool:
+        """Whether it holds a slot that can start runs under ``limit`` (now or once free)."""
+        return any(j < (limit.max_running or 0) and not s.stale for j, s in self.slots.items())
 
 
 @dataclass(slots=True)
@@ -414,8 +452,11 @@ def take(
             held[i] = HeldLane(opens, until)
             change.lanes.add(i)
     free_slots = [j for j, slot in enumerate(gate.running[: limit.max_running or 0]) if slot.free(now)]
+    # Slots past a lowered limit still held (by runs from before the change) count: no
+    # more than max_running slots are held at once.
+    room = (limit.max_running or 0) - sum(not slot.free(now) for slot in gate.running)
     got: dict[int, HeldSlot] = {}
-    for j in (j for j in free_slots if j in mine[1]):
+    for j in [j for j in free_slots if j in mine[1]][: max(0, room)]:
         gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
         got[j] = HeldSlot(until)
         change.slots.add(j)
@@ -433,17 +474,19 @@ def _size(rate: Rate | None) -> int:
 
 
 def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
-    """Extend the lease of every lane and slot ``lease`` holds that is still this
-    worker's; forget the others (their lease lapsed and someone took them)."""
+    """Extend the lease of every lane and slot ``lease`` holds that the gate still names
+    this worker the holder of; forget the others (their lease lapsed and someone took
+    them, or they were given back). Only this worker writes its own id, so a later
+    ``until`` than it knows is its own renewal whose reply was lost: still its own."""
     gate, until = change.work, lease_end(now)
     for i, held in list(lease.lanes.items()):
-        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker:
             gate.lanes[i] = Lane(holder=worker, until=until, next=held.next, freed=gate.lanes[i].freed)
             change.lanes.add(i)
         else:
             del lease.lanes[i]
-    for j, slot in list(lease.slots.items()):
-        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+    for j in list(lease.slots):
+        if j < len(gate.running) and gate.running[j].holder == worker:
             gate.running[j] = Slot(holder=worker, until=until, freed=gate.running[j].freed)
             change.slots.add(j)
         else:
@@ -453,16 +496,17 @@ def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
 def release(
     change: Change, lease: Lease, worker: str, now: datetime, lanes: set[int], slots: set[int]
 ) -> None:
-    """Give back these lanes and slots of ``lease`` (a lane records its next start)."""
+    """Give back these lanes and slots of ``lease`` that the gate still names this worker
+    the holder of (see ``renew``); a lane records its next start."""
     gate = change.work
     for i in lanes & set(lease.lanes):
         held = lease.lanes.pop(i)
-        if i < len(gate.lanes) and gate.lanes[i].holder == worker and gate.lanes[i].until == held.until:
+        if i < len(gate.lanes) and gate.lanes[i].holder == worker:
             gate.lanes[i] = Lane(next=held.next, freed=now)
             change.lanes.add(i)
     for j in slots & set(lease.slots):
-        slot = lease.slots.pop(j)
-        if j < len(gate.running) and gate.running[j].holder == worker and gate.running[j].until == slot.until:
+        lease.slots.pop(j)
+        if j < len(gate.running) and gate.running[j].holder == worker:
             gate.running[j] = Slot(freed=now)
             change.slots.add(j)
 

@@ -404,7 +404,13 @@ def changed_fields(before: Doc, after: Doc) -> Doc:
 
 def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime) -> bool:
     """The sweep's filter (``Store.due``): an unfinished task of one of ``names`` that becomes
-    claimable by now or ``horizon``, allowed for the worker and not already run or being run by it."""
+    claimable by now or ``horizon``, allowed for the worker, and neither run by it with
+    success nor held by a lease of its own that is still live at ``horizon``.
+
+    An own lease that expires by then does not hide the task: the claim filter lets the
+    worker take it over (``claimable_by``), and a claim whose reply was lost leaves just
+    such an entry; hidden, the task could stay RUNNING for good when no other worker may
+    start it (a gate with a single owner)."""
     claimable_at = doc.get(f.CLAIMABLE_AT)
     allowed = option(doc, f.WORKER_IDS)
     mine = [w for w in _entries(doc) if w.get(f.WORKER_ID) == worker_id]
@@ -414,7 +420,7 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
         and isinstance(claimable_at, datetime)
         and claimable_at <= horizon
         and (allowed == [] or (isinstance(allowed, list) and worker_id in allowed))
-        and not any(w.get(f.STATE) in (EntryState.RUNNING.value, EntryState.SUCCESS.value) for w in mine)
+        and not any(w.get(f.STATE) == EntryState.SUCCESS.value or is_live(w, horizon) for w in mine)
     )
 
 

@@ -45,7 +45,7 @@ from taskrunner.errors import (
     StoreError,
     TaskRunnerError,
 )
-from taskrunner.execution import Execution
+from taskrunner.execution import Execution, Stop
 from taskrunner.fields import BUCKETS
 from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import Limit, Permit, dealt_to
@@ -193,6 +193,7 @@ class Worker:
             capacity=self.concurrency,
             peers=self._serving,
             throttled=lambda gate: self.limits.gate_throttles.get(gate),
+            stop_run=self._slot_lost,
         )
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
@@ -223,7 +224,9 @@ class Worker:
         ``worker_ids`` name it or it owns the task; with ``steal``, also when its owner let
         the grace pass. Returns whether it was queued."""
         claimable = task.name in self.names and task.name not in self.limits.paused
-        at = rules.next_claim(task, self.worker_id) if claimable else None
+        # A sweep lists a task whose own lease expires soon; one of this worker's live runs renews it.
+        running_here = any(entry.run_id in self.runs for entry in task.workers)
+        at = rules.next_claim(task, self.worker_id) if claimable and not running_here else None
         if at is None:
             self.queue.discard(task.key)
             return False
@@ -233,7 +236,10 @@ class Worker:
         # slot of the gate open right now takes it on.
         gate = self.gates.gate_of(task.name, task.params)
         stealable = task.state is TaskState.RUNNING or not gate or self.gates.spare(gate)
-        if mine or self.owns(task, gate) or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
+        own = mine or self.owns(task, gate)
+        if own or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
+            if own and gate:
+                self.gates.want(gate)
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
             fresh = task.state is TaskState.PENDING and not task.workers
@@ -248,6 +254,10 @@ class Worker:
     def free_names(self) -> list[str]:
         """The active names without fleet-wide limits: claimed without a gate's permit."""
         return [name for name in self.active_names() if name not in self.gates.limits]
+
+    def _gated(self, names: list[str]) -> list[str]:
+        """The names with fleet-wide limits: sweeps read each one's tasks on its own."""
+        return [name for name in names if name in self.gates.limits]
 
     def _paused_changed(self, paused: frozenset[str]) -> None:
         """Drop queued tasks of newly paused names; sweep at once for resumed ones' backlog."""
@@ -458,7 +468,9 @@ class Worker:
         # time then, which this worker's estimate of the server clock may not have reached yet.
         horizon = self._server_now() + timedelta(seconds=DRAIN_SLACK)
         try:
-            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT)
+            page = await self.store.due(
+                self.worker_id, names, horizon=horizon, limit=BUSY_SWEEP_LIMIT, apart=self._gated(names)
+            )
         except StoreError as exc:
             await asyncio.sleep(self._claims.failed(exc))
             return False
@@ -606,20 +618,28 @@ class Worker:
         """One claim for tasks whose permits are open now: the server takes them only
         within every permit's window; each permit is then settled with its claim time."""
         window = (max(p.start for _, p in ready), min(p.until for _, p in ready))
-        claimed = await self._claim_keys(
-            [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
-        )
+        claimed: Claimed | None = None
+        try:
+            claimed = await self._claim_keys(
+                [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
+            )
+        finally:  # whatever happened (an error, a cancellation), every permit is settled
+            self._settle(ready, claimed)
+        return claimed.claims if claimed is not None else []
+
+    def _settle(self, ready: list[tuple[Due, Permit]], claimed: Claimed | None) -> None:
+        """Give each permit its claim's start and run; without an answer the claim may
+        have landed, so each counts as a start at the latest its window allows."""
         if claimed is None:
-            for _, permit in ready:  # it may have landed: count each as a start at the latest
+            for _, permit in ready:
                 self.gates.used(permit, permit.until)
-            return []
+            return
         rejected = {str(problem.key) for problem in claimed.rejected}
         won = {claim.task.key: claim for claim in claimed.claims}
         for entry, permit in ready:
             claim = won.get(entry.key)
             started = claim.entry.claimed_at if claim else permit.until if entry.key in rejected else None
             self.gates.used(permit, started, claim.run_id if claim else None)
-        return claimed.claims
 
     def _sweep_intervals(self) -> tuple[float, float]:
         """Seconds to the next sweep after one that saw work, and after one that saw nothing.
@@ -646,7 +666,9 @@ class Worker:
         if not names:  # everything paused: resuming asks for a sweep
             return
         try:
-            page = await self.store.due(self.worker_id, names, horizon=horizon, limit=limit)
+            page = await self.store.due(
+                self.worker_id, names, horizon=horizon, limit=limit, apart=self._gated(names)
+            )
         except StoreError as exc:
             self.sweep_at(now + self._claims.failed(exc))
             return
@@ -702,6 +724,7 @@ class Worker:
             writes=self.writes,
             heartbeat=self.heartbeat,
             throttle=self._throttle,
+            holds_slot=self.gates.holds_slot,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
@@ -713,6 +736,12 @@ class Worker:
             self.log.warning(
                 "taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over
             )
+
+    def _slot_lost(self, run_id: str) -> None:
+        """A run's fleet-wide running slot is lost or lapsing: it stops and releases its
+        claim, as a run whose claim is lost stops (another run may take the slot)."""
+        if (run := self.runs.get(run_id)) is not None:
+            run[0].stop(Stop.SLOT_LOST)
 
     def _finished(self, run_id: str, task: asyncio.Task[None]) -> None:
         self.runs.pop(run_id, None)

@@ -125,9 +125,11 @@ class CountedSweeps(NoStreams):
 
     sweeps = 0
 
-    async def due(self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100) -> Page:
+    async def due(
+        self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100, apart: Any = ()
+    ) -> Page:
         self.sweeps += 1
-        return await super().due(worker_id, names, horizon=horizon, limit=limit)
+        return await super().due(worker_id, names, horizon=horizon, limit=limit, apart=apart)
 
 
 async def test_a_sweep_marks_an_unreadable_document_once_and_runs_the_other_tasks() -> None:
@@ -170,8 +172,10 @@ async def test_a_worker_runs_a_minimal_document_written_by_hand() -> None:
 class BlindSweeps(MemoryStore):
     """Sweeps never show unreadable documents: only the change stream can."""
 
-    async def due(self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100) -> Page:
-        page = await super().due(worker_id, names, horizon=horizon, limit=limit)
+    async def due(
+        self, worker_id: str, names: Any, *, horizon: datetime, limit: int = 100, apart: Any = ()
+    ) -> Page:
+        page = await super().due(worker_id, names, horizon=horizon, limit=limit, apart=apart)
         return Page(page.tasks, [], page.after)
 
 

@@ -5,16 +5,22 @@ Driven by a memory store on a simulated server clock."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
+from taskrunner import TaskContext, TaskRunner, TaskState
 from taskrunner.claimqueue import Due
-from taskrunner.errors import InvalidTask
+from taskrunner.errors import InvalidTask, StoreUnavailable
+from taskrunner.execution import Execution, Stop
 from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import (
     EPOCH,
+    FENCE,
     IDLE,
     LEASE,
     Change,
@@ -25,9 +31,14 @@ from taskrunner.gates import (
     Rate,
     dealt,
     gate_id,
+    lease_end,
     parse_rate,
 )
+from taskrunner.rules import bucket_of
+from taskrunner.store.base import Claim, Window
 from taskrunner.store.memory import MemoryStore
+from taskrunner.testing import wait_for
+from taskrunner.worker import Worker, owned_buckets
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 NAME = "call_api"
@@ -37,17 +48,48 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
+class CutOff(MemoryStore):
+    """A memory store whose gate documents cannot be read or written while ``cut``, and
+    whose next ``lose`` gate writes are applied but their replies lost."""
+
+    cut = False
+    lose = 0
+    hold: asyncio.Event | None = None  # gate writes wait for it (a write on its way)
+    held = 0
+
+    async def read_gate(self, gate: str) -> dict[str, Any] | None:
+        if self.cut:
+            raise StoreUnavailable("connection closed")
+        return await super().read_gate(gate)
+
+    async def update_gate(
+        self, gate: str, expect: Mapping[str, Any], changes: Mapping[str, Any], *, create: bool = False
+    ) -> dict[str, Any] | None:
+        if self.cut:
+            raise StoreUnavailable("connection closed")
+        if self.hold is not None:
+            self.held += 1
+            await self.hold.wait()
+        written = await super().update_gate(gate, expect, changes, create=create)
+        if self.lose:
+            self.lose -= 1
+            raise StoreUnavailable("connection closed before the reply")
+        return written
+
+
 class Fleet:
     """Gate keepers sharing one memory store whose clock is ``self.t`` seconds past T0;
     a claim lands ``delay`` seconds later and the server takes it only within its window."""
 
     def __init__(self, limit: Limit) -> None:
         self.t, self.limit, self.starts, self.serial = 0.0, limit, list[float](), 0
-        self.store = MemoryStore(clock=lambda: at(self.t))
+        self.store = CutOff(clock=lambda: at(self.t))
         self.names: list[str] = []
+        self.stopped: list[str] = []
 
     def keeper(self, worker: str, skew: float = 0.0, capacity: int = 10) -> GateKeeper:
-        """A worker whose estimate of the server's clock is off by ``skew`` seconds."""
+        """A worker whose estimate of the server's clock is off by ``skew`` seconds; the
+        runs it is told to stop go to ``self.stopped``."""
         self.names.append(worker)
         return GateKeeper(
             self.store,
@@ -56,11 +98,12 @@ class Fleet:
             {NAME: self.limit},
             capacity=capacity,
             peers=lambda name: list(self.names),
+            stop_run=self.stopped.append,
         )
 
-    def due(self, count: int) -> list[Due]:
+    def due(self, count: int, gate: str = NAME) -> list[Due]:
         self.serial += count
-        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, NAME) for i in range(count)]
+        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, gate) for i in range(count)]
 
     async def start(self, keeper: GateKeeper, count: int, delay: float = 0.0) -> list[Permit]:
         """Ask for ``count`` starts; the permits' claims land ``delay`` later."""
@@ -70,11 +113,15 @@ class Fleet:
             taken = permit.start <= landed <= permit.until
             if taken:
                 self.starts.append(self.t + delay)
-            keeper.used(permit, landed if taken else None, f"run{self.serial}-{permit.id}" if taken else None)
+            keeper.used(permit, landed if taken else None, self.run_of(permit) if taken else None)
         return [permit for _, permit in ready]
 
-    async def gate(self) -> GateDoc:
-        doc, problem = GateDoc.read(await self.store.read_gate(NAME), NAME, NAME)
+    @staticmethod
+    def run_of(permit: Permit) -> str:
+        return f"run-{permit.id}"
+
+    async def gate(self, gate: str = NAME) -> GateDoc:
+        doc, problem = GateDoc.read(await self.store.read_gate(gate), gate, NAME)
         assert problem is None
         return doc
 
@@ -233,6 +280,129 @@ async def test_a_throttled_gate_starts_nothing_until_the_throttle_ends() -> None
     assert len(await fleet.start(a, 1)) == 1
 
 
+async def test_a_lowered_rate_applies_at_once_to_the_lanes_held() -> None:
+    """4/s lowered to 1/s: the very next claim gets one permit, not one per lane held."""
+    fleet = Fleet(Limit(Rate(4, 1.0)))
+    keeper = fleet.keeper("w")
+    ready, _ = await keeper.admit(fleet.due(4), 4)
+    keeper.unused(permit for _, permit in ready)  # four lanes held and open
+    keeper.set_limits({NAME: Limit(Rate(1, 1.0))})
+    assert len((await keeper.admit(fleet.due(4), 4))[0]) == 1
+
+
+async def test_a_lowered_max_running_counts_the_runs_still_on_held_slots() -> None:
+    """max_running 2 lowered to 1 while one run holds a slot: no new run starts until it
+    ends (not on the other slot this worker holds, nor on one asked for), then one does."""
+    fleet = Fleet(Limit(max_running=2))
+    keeper = fleet.keeper("w")
+    [running, ended] = await fleet.start(keeper, 2)
+    keeper.finished(fleet.run_of(ended))
+    keeper.set_limits({NAME: Limit(max_running=1)})
+    assert (await keeper.admit(fleet.due(1), 1))[0] == []
+    await keeper.tend()  # gives back the free slot (the limit changed)
+    fleet.t = 2.0
+    assert (await keeper.admit(fleet.due(1), 1))[0] == []
+    keeper.finished(fleet.run_of(running))
+    await keeper.tend()
+    fleet.t = 8.0
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 1
+    assert (await fleet.gate()).shape == "0/1"
+
+
+async def test_a_lowered_max_running_counts_another_workers_runs_on_slots_past_it() -> None:
+    """Two workers each run on one of two slots when max_running drops to 1: the first to
+    finish does not start another while the other's run holds the slot past the limit."""
+    fleet = Fleet(Limit(max_running=2))
+    # a: the worker dealt slot 0, under either limit; b holds slot 1.
+    a, b = sorted(["x", "y"], key=lambda w: not dealt(NAME, 1, w, ["x", "y"]))
+    keepers = {w: fleet.keeper(w) for w in (a, b)}
+    [on_a], [on_b] = await fleet.start(keepers[a], 1), await fleet.start(keepers[b], 1)
+    assert (on_a.slot, on_b.slot) == (0, 1)
+    for keeper in keepers.values():
+        keeper.set_limits({NAME: Limit(max_running=1)})
+    keepers[a].finished(fleet.run_of(on_a))
+    await keepers[a].tend()
+    fleet.t = 8.0
+    assert await fleet.start(keepers[a], 1) + await fleet.start(keepers[b], 1) == []
+    keepers[b].finished(fleet.run_of(on_b))
+    await keepers[b].tend()
+    fleet.t = 16.0
+    assert len(await fleet.start(keepers[a], 1) + await fleet.start(keepers[b], 1)) == 1
+
+
+async def test_a_run_stops_when_its_running_slot_is_lost_or_about_to_lapse() -> None:
+    """A worker cut off from the gate stops the run on a slot FENCE seconds before its
+    lease ends; a worker whose renewal finds its slot taken stops that slot's run; and
+    a run asks before writing its outcome: a slot it still holds answers yes."""
+    fleet = Fleet(Limit(max_running=1))
+    keeper = fleet.keeper("a")
+    [permit] = await fleet.start(keeper, 1)
+    run = fleet.run_of(permit)
+    assert await keeper.holds_slot(run) and await keeper.holds_slot("not-a-gated-run")
+    fleet.store.cut = True
+    fleet.t = LEASE - FENCE - 0.5
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    assert fleet.stopped == []
+    fleet.t = LEASE - FENCE + 0.1
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    assert fleet.stopped == [run] and not await keeper.holds_slot(run)
+
+    fleet.store.cut, fleet.stopped[:] = False, []
+    other = Fleet(Limit(max_running=1))
+    a, b = other.keeper("a"), other.keeper("b")
+    other.names.remove("b")
+    [permit] = await other.start(a, 1)
+    run = other.run_of(permit)
+    other.t = LEASE + 1  # a was frozen past its lease and left the registry: b takes the slot
+    other.names[:] = ["b"]
+    assert len(await other.start(b, 1)) == 1
+    other.names.append("a")
+    assert not await a.holds_slot(run)  # it tries to renew, and finds the slot taken
+    assert other.stopped == [run]
+
+
+async def test_a_renewal_whose_reply_was_lost_keeps_the_lanes_and_slots_it_renewed() -> None:
+    """A renewal lands but its reply is lost: the gate names the worker with a later
+    lease than it knows, which is still its own; the next renewal keeps every lane and
+    slot, and the run on the slot goes on."""
+    fleet = Fleet(Limit(Rate(1, 1.0), max_running=1))
+    keeper = fleet.keeper("a")
+    [permit] = await fleet.start(keeper, 1)
+    fleet.t = LEASE / 3 + 0.1
+    fleet.store.lose = 1
+    with pytest.raises(StoreUnavailable):
+        await keeper.tend()
+    fleet.t += 1.0
+    await keeper.tend()
+    gate = await fleet.gate()
+    assert [lane.holder for lane in gate.lanes] == ["a"] and [slot.holder for slot in gate.running] == ["a"]
+    assert fleet.stopped == [] and await keeper.holds_slot(fleet.run_of(permit))
+    assert gate.running[0].until == gate.lanes[0].until == lease_end(at(fleet.t))
+
+
+async def test_lanes_and_slots_being_given_back_start_nothing_meanwhile() -> None:
+    """A worker joined, so at its renewal the first worker gives back the lane and slot
+    now dealt to the newcomer: while that write is on its way, they start nothing (the
+    newcomer may take them as it lands); the lane and slot it keeps still do."""
+    fleet = Fleet(Limit(Rate(2, 1.0), max_running=2))
+    keeper = fleet.keeper("a")
+    ready, _ = await keeper.admit(fleet.due(2), 2)
+    keeper.unused(permit for _, permit in ready)
+    fleet.names.append("b")
+    fleet.t = LEASE / 3 + 0.5
+    fleet.store.hold = asyncio.Event()
+    tending = asyncio.create_task(keeper.tend())
+    await wait_for(lambda: fleet.store.held, 5, "the release to be on its way")
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 1
+    fleet.store.hold.set()
+    await tending
+    gate = await fleet.gate()
+    assert sorted(map(str, (lane.holder for lane in gate.lanes))) == ["None", "a"]
+    assert sorted(map(str, (slot.holder for slot in gate.running))) == ["None", "a"]
+
+
 def test_writes_expect_only_the_lanes_they_touch() -> None:
     """A change of one lane expects that lane as read (and the shape);
     the first write of a gate creates it whole."""
@@ -275,3 +445,184 @@ def test_lanes_are_dealt_to_exactly_one_live_worker_each_and_evenly() -> None:
     assert {len(lanes) for lanes in split.values()} == {6, 7}
     takers = {w for g in range(40) for w in peers if dealt(f'call_api#"{g}"', 1, w, peers)}
     assert len(takers) >= 6
+
+
+async def test_permits_made_before_a_gate_write_fails_are_given_back() -> None:
+    """A claim's permits come from the lanes of one gate, then the ask for another gate
+    fails: every permit made goes back, so the lanes start tasks again as soon as the
+    server answers, and shutdown gives every lane back to its gate."""
+    fleet = Fleet(Limit(Rate(2, 1.0), limit_by="tenant"))
+    keeper = fleet.keeper("w")
+    a, b = 'call_api#"a"', 'call_api#"b"'
+    [(_, first)] = (await keeper.admit(fleet.due(1, a), 1))[0]
+    keeper.used(first, None)  # claimed nothing: both lanes of a are held and open
+    fleet.store.cut = True
+    with pytest.raises(StoreUnavailable):
+        await keeper.admit([*fleet.due(1, a), *fleet.due(1, b)], 2)
+    fleet.store.cut = False
+    ready, _ = await keeper.admit(fleet.due(2, a), 2)
+    assert len(ready) == 2
+    keeper.unused(permit for _, permit in ready)
+    await keeper.close()
+    assert [lane.holder for lane in (await fleet.gate(a)).lanes] == [None, None]
+
+
+async def test_permits_made_before_asking_their_own_gate_for_more_are_given_back() -> None:
+    """A worker holds one of its two running slots and asks for the other, which fails:
+    the permit of the slot it held goes back too, and both start tasks once it is healed."""
+    fleet = Fleet(Limit(max_running=2))
+    keeper = fleet.keeper("w")
+    fleet.names.append("x")  # a peer: w is dealt one slot
+    [(_, first)] = (await keeper.admit(fleet.due(1), 1))[0]
+    keeper.used(first, None)
+    fleet.names.remove("x")  # the peer left: both slots are w's now
+    fleet.t = 2.0  # asking again may give more
+    fleet.store.cut = True
+    with pytest.raises(StoreUnavailable):
+        await keeper.admit(fleet.due(2), 2)
+    fleet.store.cut = False
+    fleet.t = 5.0  # past the back-off of the failed ask
+    assert len((await keeper.admit(fleet.due(2), 2))[0]) == 2
+
+
+# -- a worker's permits on error paths (a Worker on a memory store, real time) ---------------------
+class Faulty(MemoryStore):
+    """Claims with a gate's window raise a bug's error (``bugs``), lose their reply after
+    landing (``lost``) or hang (``hang``); ``claims`` counts them."""
+
+    bugs = lost = claims = 0
+    hang = False
+
+    async def claim(
+        self,
+        worker_id: str,
+        *,
+        key: str | None = None,
+        names: Sequence[str] | None = None,
+        fresh: bool = False,
+        window: Window | None = None,
+    ) -> Claim | None:
+        if window is not None:
+            self.claims += 1
+            if self.bugs:
+                self.bugs -= 1
+                raise RuntimeError("a bug below the store seam")
+            if self.hang:
+                await asyncio.Event().wait()
+        claim = await super().claim(worker_id, key=key, names=names, fresh=fresh, window=window)
+        if window is not None and self.lost:
+            self.lost -= 1
+            raise StoreUnavailable("connection closed before the reply")
+        return claim
+
+
+def limited(store: MemoryStore, ran: list[str], **limit: Any) -> TaskRunner:
+    runner = TaskRunner(store=store)
+
+    @runner.task("limited", ping_interval=0.3, ping_timeout=1.0, **limit)
+    async def handler(params: dict[str, Any], ctx: TaskContext) -> None:
+        ran.append(ctx.key)
+
+    return runner
+
+
+async def run_worker_until(worker: Worker, condition: Any, within: float = 20.0) -> None:
+    running = asyncio.create_task(worker.run())
+    try:
+        await wait_for(condition, within, "the worker to get there", interval=0.02)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+
+
+async def test_a_claim_that_raises_an_unexpected_error_gives_its_permit_back() -> None:
+    """The claimer crashes on an error no one expected (and is restarted): the permit of
+    its claim is settled, so the gate's single running slot starts the task after all."""
+    store, ran = Faulty(), list[str]()
+    store.bugs = 1
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="only")
+    await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["only"])
+    assert store.claims == 2 and (await runner.get("only")).state is TaskState.SUCCESS
+
+
+async def test_shutdown_during_a_claim_gives_every_lane_and_slot_back() -> None:
+    """A worker stopped while a gated claim is on its way gives its lanes and running slot
+    back to the gate (a lane records its next start), so other workers need not wait for
+    its lease to lapse."""
+    store, ran = Faulty(), list[str]()
+    store.hang = True
+    runner = limited(store, ran, rate_limit="1/s", max_running=1)
+    await runner.publish("limited", key="only")
+    await run_worker_until(Worker(runner, worker_id="w", shutdown_timeout=0.1), lambda: store.claims == 1)
+    gate = await store.read_gate("limited")
+    assert gate is not None and gate["lanes"] and gate["running"]
+    assert [lane["holder"] for lane in gate["lanes"]] == [None]
+    assert [slot["holder"] for slot in gate["running"]] == [None]
+
+
+async def test_a_claim_whose_reply_was_lost_runs_on_its_single_owners_slot() -> None:
+    """A claim lands but its reply is lost, on a gate whose one running slot only this
+    worker holds: once the orphaned claim's lease expires, the worker's own sweep finds
+    the task and runs it (it is not left RUNNING for good)."""
+    store, ran = Faulty(), list[str]()
+    store.lost = 1
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="orphan")
+    await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["orphan"])
+    task = await runner.get("orphan")
+    assert task.state is TaskState.SUCCESS and [e.worker_id for e in task.workers] == ["w"]
+
+
+async def test_a_worker_with_an_open_slot_takes_on_another_owners_backlog_of_the_gate() -> None:
+    """Two workers hold one running slot each of a max_running=2 gate; one owns six tasks
+    and the other one. Once its own task is done, the other worker's open slot takes on
+    part of the first one's backlog (seeing that backlog in its sweeps does not count as
+    having its own)."""
+    store = MemoryStore()
+    runner = TaskRunner(store=store)
+    ran: dict[str, str] = {}
+
+    @runner.task("pair", max_running=2)
+    async def pair(params: dict[str, Any], ctx: TaskContext) -> None:
+        await asyncio.sleep(0.6)
+        ran[ctx.key] = ctx.worker_id
+
+    workers = [Worker(runner, worker_id=w, beat_interval=0.2) for w in ("w1", "w2")]
+    running = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        await wait_for(lambda: all(w.peers for w in workers), 10, "the workers to see each other")
+        mine = {w: set(owned_buckets(w, [o for o in ("w1", "w2") if o != w])) for w in ("w1", "w2")}
+        keys = (f"k{i}" for i in range(1000))
+        w1_keys = [k for k in keys if bucket_of(k) in mine["w1"]][:6]
+        w2_key = next(k for k in (f"j{i}" for i in range(1000)) if bucket_of(k) in mine["w2"])
+        await runner.publish_many([{"name": "pair", "key": k} for k in [w2_key, *w1_keys]])
+        await wait_for(lambda: len(ran) == 7, 30, "every task to run")
+    finally:
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*running)
+    assert ran[w2_key] == "w2"
+    assert any(ran[k] == "w2" for k in w1_keys)
+
+
+async def test_a_run_whose_slot_was_lost_releases_its_claim_instead_of_its_outcome() -> None:
+    """A handler that finishes after its running slot was lost (its worker frozen past
+    the slot's lease, say) records no outcome: its claim is released, nothing spent, so
+    the task runs again on a slot rather than count as a run beyond max_running."""
+    store, ran = MemoryStore(), list[str]()
+    runner = limited(store, ran, max_running=1)
+    await runner.publish("limited", key="late")
+    claim = await store.claim("w", key="late")
+    assert claim is not None
+    asked: list[str] = []
+
+    async def holds_slot(run_id: str) -> bool:
+        asked.append(run_id)
+        return False
+
+    execution = Execution(claim, store=store, handlers=runner.handlers, worker_id="w", holds_slot=holds_slot)
+    await execution.run()
+    task = await runner.get("late")
+    assert ran == ["late"] and asked == [claim.run_id] and execution.stopped is Stop.SLOT_LOST
+    assert task.state is TaskState.PENDING and task.workers == [] and task.failures == 0

@@ -325,12 +325,30 @@ def test_the_undated_part_of_a_listing_is_bounded_by_its_types(label: str) -> No
 
 def test_stats_read_each_part_through_an_index() -> None:
     """``stats`` has no ``$facet`` (its sub-pipelines read no index): the counts walk
-    ``name_state`` in order, the oldest PENDING and the last hour's runs are bounded."""
+    ``name_claim`` in order, the oldest PENDING and the last hour's runs are bounded."""
     pipeline = x.stats_pipeline("tasks", AT)
     assert not any("$facet" in stage for stage in pipeline)
-    assert serving(TASK_INDEXES, {}, list(pipeline[0]["$sort"].items())) == {"name_state": "walk"}
+    assert serving(TASK_INDEXES, {}, list(pipeline[0]["$sort"].items())) == {"name_claim": "walk"}
     parts = [stage["$unionWith"]["pipeline"] for stage in pipeline if "$unionWith" in stage]
     assert [serving(TASK_INDEXES, part[0]["$match"], []) for part in parts] == [
         {"claim": "bounds"},
         {"updated": "bounds"},
     ]
+
+
+def test_a_limited_names_sweep_is_bounded_by_its_name() -> None:
+    """The sweep's PENDING branch for each name swept apart (fleet-wide limits) is bounded
+    by that name, then state and claimable_at (``name_claim``): another name's backlog is
+    never scanned to find it; the other names share one branch on the claim index."""
+    pipeline = x.due_pipeline(
+        "tasks", "w1", ["job", "metered", "exclusive"], 0, 100, apart=["metered", "exclusive"]
+    )
+    branches = [stage["$unionWith"]["pipeline"] for stage in pipeline if "$unionWith" in stage]
+    matches = [branch[0]["$match"] for branch in branches if branch[0]["$match"].get(f.STATE) == "PENDING"]
+    assert [m[f.NAME] for m in matches] == [{"$in": ["job"]}, {"$in": ["metered"]}, {"$in": ["exclusive"]}]
+    assert all(branch[1] == {"$sort": {f.CLAIMABLE_AT: 1}} for branch in branches[:3])
+    for match in matches[1:]:
+        served = serving(TASK_INDEXES, match, [(f.CLAIMABLE_AT, 1)])
+        assert {name for name in served if TASK_INDEXES[name][0][0] == f.NAME} == {"name_claim"}
+        assert served["name_claim"] == "bounds"
+    assert serving(TASK_INDEXES, matches[0], [(f.CLAIMABLE_AT, 1)]).get("claim") == "bounds"

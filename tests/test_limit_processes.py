@@ -135,3 +135,22 @@ async def test_an_operator_changes_a_rate_live_and_clear_restores_the_code(
         assert _most_in_window(_starts(tasks), 1.0) <= 2
         cleared = await _cli(mongo_uri, collection_name, "limit", "metered", "--clear")
     assert "metered: rate 4/1s" in cleared.output and "set by operators" not in cleared.output
+
+
+async def test_a_backlog_published_before_the_workers_hides_no_limited_names_tasks(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """150 metered tasks (slowed to 1/s by an operator), then 6 exclusive ones, all
+    published before any worker runs: sweeps read each limited name's tasks on their own,
+    so the exclusive tasks all run while most of the metered backlog still waits (before,
+    they waited until fewer than a sweep's 100 metered tasks were left)."""
+    await runner.limit("metered", rate_limit="1/s")
+    await runner.publish_many([{"name": "metered", "key": f"m{i:03}"} for i in range(150)])
+    await runner.publish_many(
+        [{"name": "exclusive", "key": f"x{i}", "params": {"seconds": 0.1}} for i in range(6)]
+    )
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 2)
+        await wait_for(lambda: _done(runner, "exclusive", 6), 120, "the exclusive tasks")
+        metered = await runner.store.count(state=TaskState.SUCCESS, name="metered")
+    assert metered < 40

@@ -149,8 +149,8 @@ def count_sweeps(runner: TaskRunner) -> list[int]:
     sweeps: list[int] = []
     inner = runner.store.due
 
-    async def due(worker_id: str, names: Any, *, horizon: Any, limit: int = 100) -> Page:
-        page = await inner(worker_id, names, horizon=horizon, limit=limit)
+    async def due(worker_id: str, names: Any, *, horizon: Any, limit: int = 100, apart: Any = ()) -> Page:
+        page = await inner(worker_id, names, horizon=horizon, limit=limit, apart=apart)
         sweeps.append(len(page.tasks))
         return page
 

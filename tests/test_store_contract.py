@@ -626,7 +626,7 @@ async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store
     not ones ``worker_ids`` keep from it, not ones due after the horizon."""
     await publish(store, task("old"), task("later", delay=30), task("far", delay=3600))
     await publish(store, task("other", name="elsewhere"), task("theirs", options={"worker_ids": ["w9"]}))
-    await publish(store, task("mine"), task("done"))
+    await publish(store, task("mine", options={"ping_timeout": 90}), task("done"))
     claim = await store.claim("w1", key="mine")
     done = await store.claim("w2", key="done")
     assert claim is not None and done is not None
@@ -637,8 +637,46 @@ async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store
     assert [t.key for t in (await store.due("w1", ["job"], horizon=now, limit=1)).tasks] == ["old"]
     assert (await store.due("w1", ["job"], horizon=now, limit=1)).after is not None
     assert "mine" in [
-        t.key for t in (await store.due("w2", ["job"], horizon=now + timedelta(seconds=40))).tasks
+        t.key for t in (await store.due("w2", ["job"], horizon=now + timedelta(seconds=100))).tasks
     ]
+
+
+async def test_due_lists_a_task_held_by_the_workers_own_expired_lease(store: Store, elapse: Elapse) -> None:
+    """A claim whose reply the worker never got leaves its own RUNNING entry: the sweep
+    hides the task from that worker only while the entry is live at the horizon, and
+    lists it once it expires there, as the claim filter lets the worker take it over."""
+    lease = {"ping_interval": 0.2, "ping_timeout": 0.5}
+    await publish(store, task("orphan", options=lease))
+    assert await store.claim("w1", key="orphan") is not None  # the reply "lost": nobody runs it
+    now = await store.server_time()
+    assert [t.key for t in (await store.due("w1", ["job"], horizon=now)).tasks] == []
+    ahead = await store.due("w1", ["job"], horizon=now + timedelta(seconds=5))
+    assert [t.key for t in ahead.tasks] == ["orphan"]
+    await elapse(0.8)
+    now = await store.server_time()
+    assert [t.key for t in (await store.due("w1", ["job"], horizon=now)).tasks] == ["orphan"]
+    claim = await store.claim("w1", key="orphan")
+    assert claim is not None and [e.worker_id for e in claim.task.workers] == ["w1"]
+
+
+async def test_due_reads_each_limited_names_tasks_apart_from_other_backlogs(store: Store) -> None:
+    """A backlog published first fills a sweep's ``limit`` only for its own group: the
+    tasks of a name swept apart (one with fleet-wide limits) are listed all the same, and
+    a limited name's own backlog hides no other name's tasks; a full group sets ``after``."""
+    await publish(store, *(task(f"bulk{i}") for i in range(6)))
+    await publish(store, *(task(f"gated{i}", name="gated") for i in range(2)))
+    await publish(store, task("late", name="other"))
+    now = await store.server_time()
+    names = ["job", "gated", "other"]
+    mixed = await store.due("w1", names, horizon=now, limit=3)
+    assert [t.key for t in mixed.tasks] == ["bulk0", "bulk1", "bulk2"] and mixed.after is not None
+    page = await store.due("w1", names, horizon=now, limit=3, apart=["gated"])
+    assert sorted(t.key for t in page.tasks) == ["bulk0", "bulk1", "bulk2", "gated0", "gated1"]
+    assert page.after is not None
+    page = await store.due("w1", names, horizon=now, limit=2, apart=["job", "gated"])
+    assert sorted(t.key for t in page.tasks) == ["bulk0", "bulk1", "gated0", "gated1", "late"]
+    page = await store.due("w1", ["gated", "other"], horizon=now, limit=3, apart=["gated"])
+    assert sorted(t.key for t in page.tasks) == ["gated0", "gated1", "late"] and page.after is None
 
 
 async def test_due_lists_expired_leases_before_a_backlog_of_older_new_tasks(

@@ -146,12 +146,17 @@ def page_of(docs: Sequence[dict[str, Any]], limit: int) -> Page:
     return Page(tasks, unreadable, keys[-1] if keys else "")
 
 
-def due_page(docs: Sequence[dict[str, Any]], limit: int) -> Page:
-    """A sweep's page: RUNNING then PENDING tasks, at most ``limit`` of each; ``after`` is
-    set (to "") when either reached ``limit``, so the worker sweeps again at once."""
+def due_page(docs: Sequence[dict[str, Any]], limit: int, apart: Sequence[str] = ()) -> Page:
+    """A sweep's page: RUNNING tasks, then PENDING tasks (those of each name in ``apart``
+    on their own), at most ``limit`` of each; ``after`` is set (to "") when one reached
+    ``limit``, so the worker sweeps again at once."""
     page = page_of(docs, len(docs) + 1)
-    states = Counter(doc.get(f.STATE) for doc in docs)
-    full = any(n >= limit for n in states.values())
+
+    def group(doc: dict[str, Any]) -> tuple[Any, Any]:
+        state, name = doc.get(f.STATE), doc.get(f.NAME)
+        return state, name if state == TaskState.PENDING.value and name in apart else None
+
+    full = any(n >= limit for n in Counter(map(group, docs)).values())
     return Page(page.tasks, page.unreadable, "" if full else None)
 
 
@@ -248,16 +253,27 @@ class Store(Protocol):
         """One page of unfinished tasks in key order, starting after key ``after``; unreadable
         documents are named in the page, not dropped, and never end the scan early."""
 
-    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
+    async def due(
+        self,
+        worker_id: str,
+        names: Sequence[str],
+        *,
+        horizon: datetime,
+        limit: int = 100,
+        apart: Sequence[str] = (),
+    ) -> Page:
         """The sweep: unfinished tasks of ``names`` claimable by ``horizon`` (server time),
-        allowed for ``worker_id`` and not already run or being run by it, earliest
-        ``claimable_at`` first, through the claim index. It finds new
-        tasks nobody claimed, retries and expired leases (takeovers) without following
-        anyone's renewals; ``after`` of the page is None unless ``limit`` was reached.
-        Expired leases come first: RUNNING tasks, then PENDING ones, at most ``limit`` of
-        each, so a takeover never waits behind a backlog of new tasks. Then at most
-        ``limit`` documents of any name that need ``normalize`` (``rules.unsettled``: no
-        valid state, or unfinished without a claimable_at date), as unreadable ones."""
+        allowed for ``worker_id``, not run by it with success nor held by a lease of its
+        own live at ``horizon`` (``rules.sweepable``), earliest ``claimable_at`` first,
+        through indexes. It finds new tasks nobody claimed, retries and expired leases
+        (takeovers) without following anyone's renewals; ``after`` of the page is None
+        unless ``limit`` was reached. Expired leases come first: RUNNING tasks (at most
+        ``limit``), then PENDING ones, at most ``limit`` of the names not in ``apart``
+        together and ``limit`` of each name in ``apart`` (the names with fleet-wide
+        limits), so a takeover never waits behind a backlog of new tasks and a limited
+        name's backlog neither hides nor is hidden by another name's. Then at most ``limit`` documents of any name that need ``normalize``
+        (``rules.unsettled``: no valid state, or unfinished without a claimable_at date),
+        as unreadable ones."""
 
     async def normalize(self, key: str) -> Task:
         """Give a document written by hand or by another language the fields it lacks

@@ -278,37 +278,55 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
 def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
     """``rules.sweepable`` for tasks in ``state`` (PENDING or RUNNING: the sweep reads each
     as its own range of the claim index, state then claimable_at). ``horizon`` is a date
-    (the worker's estimate of server time plus how far ahead it looks): it only bounds
-    the scan; every claim re-checks at ``$$NOW``."""
-    mine = {f.WORKER_ID: worker_id, f.STATE: {"$in": [EntryState.RUNNING.value, EntryState.SUCCESS.value]}}
+    (the worker's estimate of server time plus how far ahead it looks): it bounds the
+    scan and judges the worker's own leases (one expiring by then does not hide the
+    task); every claim re-checks at ``$$NOW``."""
+    succeeded = {f.WORKER_ID: worker_id, f.STATE: EntryState.SUCCESS.value}
+    held = {
+        f.WORKER_ID: worker_id,
+        f.STATE: EntryState.RUNNING.value,
+        f.EXPIRES_AT: {"$type": "date", "$gt": horizon},
+    }
     return {
         f.STATE: state,
         f.CLAIMABLE_AT: {"$lte": horizon},
         f.NAME: {"$in": names},
         "$or": _allowed(worker_id),
-        f.WORKERS: {"$not": {"$elemMatch": mine}},
+        "$nor": [{f.WORKERS: {"$elemMatch": succeeded}}, {f.WORKERS: {"$elemMatch": held}}],
     }
 
 
 def due_pipeline(
-    collection: str, worker_id: str, names: list[str], horizon: Any, limit: int
+    collection: str,
+    worker_id: str,
+    names: list[str],
+    horizon: Any,
+    limit: int,
+    apart: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """The sweep as one aggregate: RUNNING tasks (expired leases: takeovers) first, then
-    PENDING ones, each the earliest ``limit`` by ``claimable_at`` through the claim index.
-    Two ranges instead of one sort on claimable_at, because a takeover's claimable_at (its
-    lease expiry) is later than a whole backlog's: it would wait until the backlog drained.
+    PENDING ones, each the earliest ``limit`` by ``claimable_at``: the names in ``apart``
+    (those with fleet-wide limits) each on its own through the ``name_claim`` index, the
+    others together through the claim index. RUNNING apart from PENDING, because a
+    takeover's claimable_at (its lease expiry) is later than a whole backlog's: it would
+    wait until the backlog drained. A limited name apart, because its tasks wait for its
+    gate, not for a free worker: a backlog of it would fill every sweep and hide the other
+    names' tasks, and another name's backlog would hide its tasks while its gates idle.
     Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
     the worker normalizes."""
 
-    def branch(state: str) -> list[dict[str, Any]]:
-        match = due_filter(worker_id, names, horizon, state)
+    def branch(state: str, of: list[str]) -> list[dict[str, Any]]:
+        match = due_filter(worker_id, of, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
-    pending = {"$unionWith": {"coll": collection, "pipeline": branch(TaskState.PENDING.value)}}
-    unsettled = {
-        "$unionWith": {"coll": collection, "pipeline": [{"$match": unsettled_filter()}, {"$limit": limit}]}
-    }
-    return [*branch(TaskState.RUNNING.value), pending, unsettled]
+    def union(pipeline: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"$unionWith": {"coll": collection, "pipeline": pipeline}}
+
+    together = [name for name in names if name not in apart]
+    groups = ([together] if together else []) + [[name] for name in names if name in apart]
+    pending = [union(branch(TaskState.PENDING.value, group)) for group in groups]
+    unsettled: list[dict[str, Any]] = [{"$match": unsettled_filter()}, {"$limit": limit}]
+    return [*branch(TaskState.RUNNING.value, names), *pending, union(unsettled)]
 
 
 def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
@@ -628,7 +646,7 @@ def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
     outcomes, as one aggregate whose parts each read an index (a ``$facet`` would scan the
     collection: its sub-pipelines cannot use indexes). Each row has ``_id.part``:
 
-    * counts: the ``name_state`` index walked in order, covered (no document is read);
+    * counts: the ``name_claim`` index walked in order, covered (no document is read);
     * oldest pending: PENDING keys of the ``claim`` index, covered (it holds created_at);
     * recent: tasks written since ``hour_ago`` (server time) through the ``updated`` index,
       since every write that ends a run stamps ``updated_at`` with the run's ``finished_at``.

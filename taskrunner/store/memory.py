@@ -231,15 +231,26 @@ class MemoryStore:
         # Documents are filed here under str(key), so that is what the next page goes after.
         return page if page.after is None else replace(page, after=keys[-1])
 
-    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
+    async def due(
+        self,
+        worker_id: str,
+        names: Sequence[str],
+        *,
+        horizon: datetime,
+        limit: int = 100,
+        apart: Sequence[str] = (),
+    ) -> Page:
         docs = sorted(
             (d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)),
             key=lambda d: d[f.CLAIMABLE_AT],
         )
         running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
-        pending = [d for d in docs if d[f.STATE] == TaskState.PENDING.value][:limit]
+        waiting = [d for d in docs if d[f.STATE] == TaskState.PENDING.value]
+        pending = [d for d in waiting if d[f.NAME] not in apart][:limit]
+        for name in (n for n in names if n in apart):
+            pending += [d for d in waiting if d[f.NAME] == name][:limit]
         unsettled = [d for d in self._docs.values() if rules.unsettled(d)][:limit]
-        return due_page([_clone(d) for d in running + pending + unsettled], limit)
+        return due_page([_clone(d) for d in running + pending + unsettled], limit, apart)
 
     async def claim(
         self,

@@ -365,11 +365,19 @@ class MongoStore:
             docs = await self._raw.find(query).sort(f.KEY, 1).limit(limit).to_list()
         return page_of(list(map(_decode, docs)), limit)
 
-    async def due(self, worker_id: str, names: Sequence[str], *, horizon: datetime, limit: int = 100) -> Page:
-        pipeline = x.due_pipeline(self.collection.name, worker_id, list(names), horizon, limit)
+    async def due(
+        self,
+        worker_id: str,
+        names: Sequence[str],
+        *,
+        horizon: datetime,
+        limit: int = 100,
+        apart: Sequence[str] = (),
+    ) -> Page:
+        pipeline = x.due_pipeline(self.collection.name, worker_id, list(names), horizon, limit, apart)
         with mapped_errors():
             docs = await (await self._raw.aggregate(pipeline)).to_list()
-        return due_page(list(map(_decode, docs)), limit)
+        return due_page(list(map(_decode, docs)), limit, apart)
 
     async def claim(
         self,
