@@ -165,7 +165,7 @@ class MemoryStore:
         self, task: NewTask, publish_id: str, update_pending: bool, republish_finished: bool
     ) -> Task:
         now, doc = self._clock(), self._docs.get(task.key)
-        if doc is None or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
+        if doc is None or rules.is_seed(doc) or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
             fresh = self._fresh(task, publish_id, now, doc)
             self._docs[task.key] = fresh
             self._emit("insert" if doc is None else "replace", fresh)
@@ -242,13 +242,13 @@ class MemoryStore:
     ) -> Page:
         docs = sorted(
             (d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)),
-            key=lambda d: d[f.CLAIMABLE_AT],
+            key=rules.sweep_order,
         )
-        running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
-        waiting = [d for d in docs if d[f.STATE] == TaskState.PENDING.value]
-        pending = [d for d in waiting if d[f.NAME] not in apart][:limit]
-        for name in (n for n in names if n in apart):
-            pending += [d for d in waiting if d[f.NAME] == name][:limit]
+        running = [d for d in docs if rules.is_one_of(d.get(f.STATE), (TaskState.RUNNING.value,))][:limit]
+        waiting = [d for d in docs if rules.is_one_of(d.get(f.STATE), (TaskState.PENDING.value,))]
+        pending: list[Doc] = []
+        for group in rules.sweep_groups(names, apart):
+            pending += [d for d in waiting if rules.is_one_of(d.get(f.NAME), group)][:limit]
         unsettled = [d for d in self._docs.values() if rules.unsettled(d)][:limit]
         return due_page([_clone(d) for d in running + pending + unsettled], limit, apart)
 
@@ -386,7 +386,7 @@ class MemoryStore:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
-        if doc.get(f.STATE) in (TaskState.SUCCESS.value, TaskState.FAIL.value):
+        if not rules.cancelable(doc):
             raise InvalidState(key, doc[f.STATE], "cancel", "PENDING or RUNNING")
         rules.apply_cancel(doc, self._clock())
         self._emit("update", doc)
@@ -397,9 +397,8 @@ class MemoryStore:
         if doc is None:
             raise TaskNotFound(key)
         now = self._clock()
-        running = rules.still_running(doc, now)
-        if doc.get(f.STATE) not in rules.RETRYABLE or running:
-            raise rules.retry_refused(key, str(doc.get(f.STATE)), running)
+        if not rules.retryable(doc, now):
+            raise rules.retry_refused(key, str(doc.get(f.STATE)), rules.still_running(doc, now))
         rules.apply_retry(doc, now)
         self._emit("update", doc)
         return self._task(doc)

@@ -625,15 +625,13 @@ class MongoStore:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+                    x.cancel_filter(key), x.cancel_update(), return_document=ReturnDocument.AFTER
                 )
             )
         if doc is None:
-            raise TaskNotFound(key)
-        task = self._task(doc)
-        if task.state is not TaskState.CANCELED:
-            raise InvalidState(key, task.state.value, "cancel", "PENDING or RUNNING")
-        return task
+            finished = await self.get(key)  # raises TaskNotFound
+            raise InvalidState(key, finished.state.value, "cancel", "PENDING or RUNNING")
+        return self._task(doc)
 
     async def retry(self, key: str) -> Task:
         with mapped_errors():
