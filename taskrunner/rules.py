@@ -1,9 +1,21 @@
 """The task state machine as plain Python over raw documents.
 
-This is the reference the in-memory store runs and the MongoDB pipelines in
-``store/expressions.py`` mirror; the contract suite holds the two together.
-Comparisons follow MongoDB's query semantics: a claim-time field that is missing,
-null or not a date never matches.
+The in-memory store runs it; ``store/expressions.py`` states the same rules as MongoDB
+filters and pipelines, which the Mongo store sends. Where a filter states a rule, the rule
+reads fields as MongoDB's query language does (an array by its elements, a comparison with a
+date matching dates only); a claim-time field that is missing, null or not a date never
+matches.
+
+The two modules are twins: each rule has one name in both. A predicate is an adjective
+and a write a verb or noun: ``rules.claimable(doc, worker_id, now)`` says whether the
+filter ``expressions.claimable(worker_id, now)`` matches ``doc``, and ``rules.claim(doc,
+worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(worker_id,
+run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
+``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
+``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
+``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
+``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+generated documents and compares (docs/design.md, "One set of rules, twice").
 """
 
 from __future__ import annotations
@@ -152,7 +164,12 @@ def fresh(doc: Doc) -> bool:
     return pending and doc.get(f.WORKERS) == [] and doc.get(f.FATAL) is not True
 
 
-def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
+def fresh_claimable(doc: Doc, worker_id: str, now: datetime) -> bool:
+    """What a ``fresh`` claim takes: ``fresh`` and ``claimable`` (then ``claim`` applies)."""
+    return fresh(doc) and claimable(doc, worker_id, now)
+
+
+def claimable(doc: Doc, worker_id: str, now: datetime) -> bool:
     """May ``worker_id`` claim this task at server time ``now``? (the claim filter)"""
     claimable_at = doc.get(f.CLAIMABLE_AT)
     if not is_one_of(doc.get(f.STATE), ACTIVE) or not isinstance(claimable_at, datetime):
@@ -201,7 +218,7 @@ LEASE_EXPIRED: Doc = {
 """The error a reaped task's dead runs end with, so the FAIL document says why."""
 
 
-def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
+def claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     """Drop expired leases (each spends one failure), append this worker's entry
     (none when the task is ``reapable``: then it ends, its dead runs kept as FAIL entries)."""
     reap = reapable(doc, now)  # decided before the expired leases are counted
@@ -271,6 +288,11 @@ def renewal_status(doc: Doc | None, run_id: str, worker_id: str) -> RunStatus:
     return RunStatus.DONE
 
 
+def renewable(doc: Doc, run_id: str, worker_id: str) -> bool:
+    """A lease renewal lands (``renewal_status`` is DONE)."""
+    return renewal_status(doc, run_id, worker_id) is RunStatus.DONE
+
+
 def outcome_status(doc: Doc | None, run_id: str, state: EntryState) -> RunStatus:
     """DONE when the run's entry holds the outcome ``state`` (written now or before), else LOST."""
     entries = _entries(doc) if doc is not None else []
@@ -289,7 +311,7 @@ def after(now: datetime, seconds: Any, otherwise: datetime | None = None) -> dat
     return otherwise if number is None else now + timedelta(seconds=number)
 
 
-def apply_ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
+def ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
     entry[f.PING_AT] = now
     entry[f.EXPIRES_AT] = after(now, option(doc, f.PING_TIMEOUT))
     if progress is not None:
@@ -297,12 +319,12 @@ def apply_ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> Non
     summarize(doc, now)
 
 
-def apply_success(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
+def succeed(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
     entry.update({f.STATE: EntryState.SUCCESS.value, f.RESULT: result, f.FINISHED_AT: now})
     summarize(doc, now)
 
 
-def apply_failure(
+def fail(
     doc: Doc, entry: Doc, error: Doc, now: datetime, retry_in: float | None = None, final: bool = False
 ) -> None:
     """Record the failure. A ``final`` one ends the task FAIL (``fatal``) without spending
@@ -325,7 +347,7 @@ def _without(doc: Doc, entry: Doc) -> list[Any]:
     return [w for w in doc[f.WORKERS] if w is not entry]
 
 
-def apply_snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
+def snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
     """Give the claim back and run again ``seconds`` from now; no failure is counted."""
     doc[f.WORKERS] = _without(doc, entry)
     doc[f.RUN_AT] = now + timedelta(seconds=seconds)
@@ -333,7 +355,7 @@ def apply_snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
     summarize(doc, now)
 
 
-def apply_release(doc: Doc, entry: Doc, now: datetime) -> None:
+def release(doc: Doc, entry: Doc, now: datetime) -> None:
     """Give the claim back without spending the failure budget."""
     doc[f.WORKERS] = _without(doc, entry)
     summarize(doc, now)
@@ -344,7 +366,7 @@ def cancelable(doc: Doc) -> bool:
     return doc.get(f.STATE) not in (TaskState.SUCCESS.value, TaskState.FAIL.value)
 
 
-def apply_cancel(doc: Doc, now: datetime) -> None:
+def cancel(doc: Doc, now: datetime) -> None:
     """CANCELED, when ``cancelable``; a finished task is left as it is."""
     if not cancelable(doc):
         return
@@ -394,7 +416,7 @@ def number_in(value: object, targets: Collection[int]) -> bool:
 
 def hears_insert(doc: Doc, names: Collection[str], owned: Mapping[str, Collection[int]] | None) -> bool:
     """Does a worker for ``names`` that owns the buckets ``owned`` (per name; a name not
-    there: every bucket) hear this new document? (``expressions.work_match`` on inserts.)
+    there: every bucket) hear this new document? (``expressions.hears`` on inserts.)
     A name that is not a string, or a bucket out of range, is heard by every worker."""
     name, bucket = doc.get(f.NAME), doc.get(f.BUCKET)
     if not has_string(name):
@@ -409,13 +431,23 @@ def hears_insert(doc: Doc, names: Collection[str], owned: Mapping[str, Collectio
     )
 
 
+def hears(event: Doc, names: Collection[str], owned: Mapping[str, Collection[int]] | None) -> bool:
+    """Does a worker's change stream pass this change event? New documents it
+    ``hears_insert``, updates that ``wakes`` it."""
+    kind = event.get(f.OPERATION_TYPE)
+    if kind in ("insert", "replace"):
+        return hears_insert(event.get(f.FULL_DOCUMENT) or {}, names, owned)
+    changed = (event.get(f.UPDATE_DESCRIPTION) or {}).get(f.UPDATED_FIELDS)
+    return kind == "update" and isinstance(changed, dict) and wakes(changed)
+
+
 def updatable(doc: Doc) -> bool:
     """``update_pending`` applies only to a task no worker is running or has succeeded."""
     started = any(is_running(w) or w.get(f.STATE) == EntryState.SUCCESS.value for w in _entries(doc))
     return doc.get(f.STATE) == TaskState.PENDING.value and not started
 
 
-def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
+def pending_update(doc: Doc, task: NewTask, now: datetime) -> None:
     """``update_pending``: new params, priority, run_at and options; not a new task."""
     run_at = start_time(task, now)
     doc.update(
@@ -496,7 +528,7 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
     success nor held by a lease of its own that is still live at ``horizon``.
 
     An own lease that expires by then does not hide the task: the claim filter lets the
-    worker take it over (``claimable_by``), and a claim whose reply was lost leaves just
+    worker take it over (``claimable``), and a claim whose reply was lost leaves just
     such an entry; hidden, the task could stay RUNNING for good when no other worker may
     start it (a gate with a single owner)."""
     mine = [w for w in _entries(doc) if is_one_of(w.get(f.WORKER_ID), (worker_id,))]
@@ -636,7 +668,7 @@ def marked_error(problem: str) -> Doc:
     return {f.ERROR_TYPE: MALFORMED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
 
 
-def apply_normalization(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
+def normalize(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
     """Set ``fill``; a document that still does not read is marked: FAIL, ``fatal``, and
     its own ``error`` naming the field and value. Nothing written by hand is removed."""
     doc.update(fill)
@@ -667,7 +699,7 @@ def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
     return InvalidState(key, state, "retry", "FAIL or CANCELED", why=why)
 
 
-def apply_retry(doc: Doc, now: datetime) -> None:
+def retry(doc: Doc, now: datetime) -> None:
     """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history.
 
     A document marked unreadable (or whose counters do not read) is left without a

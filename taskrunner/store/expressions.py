@@ -3,7 +3,20 @@
 Every lease time is ``$$NOW``: the server's clock, never a worker's. Each builder that
 reads the clock takes it as ``now`` (default ``$$NOW``, what the store sends; a test
 passes a date, the same one it gives the Python twin). Each write recomputes the summary
-fields in the same atomic update (``summary_stages``).
+fields in the same atomic update (``summarize``).
+
+The two modules are twins: each rule has one name in both. A predicate is an adjective
+and a write a verb or noun: ``rules.claimable(doc, worker_id, now)`` says whether the
+filter ``expressions.claimable(worker_id, now)`` matches ``doc``, and ``rules.claim(doc,
+worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(worker_id,
+run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
+``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
+``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
+``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
+``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+generated documents and compares (docs/design.md, "One set of rules, twice").
+``normalize`` is written here in two parts, ``normalize`` and its ``mark``.
+
 Expressions guard types with ``$type`` so MongoDB and look-alike servers agree
 on missing, null and wrong-typed fields; mongoeco lacks ``$not`` as an
 expression, hence ``{$eq: [expr, false]}``.
@@ -121,7 +134,7 @@ def finished_at(now: Expr = NOW) -> Expr:
     return {"$cond": [finished, {"$cond": [is_date(f.FINISHED_AT), f.ref(f.FINISHED_AT), now]}, "$$REMOVE"]}
 
 
-def summary_stages(now: Expr = NOW) -> list[Expr]:
+def summarize(now: Expr = NOW) -> list[Expr]:
     """Recompute ``state``, ``claimable_at`` and ``updated_at`` (``rules.summarize``)."""
     succ, live = "$_tr_succ", "$_tr_live"
     state = {
@@ -168,8 +181,8 @@ def summary_stages(now: Expr = NOW) -> list[Expr]:
     ]
 
 
-def claim_filter(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
-    """Everything ``rules.claimable_by`` checks, evaluated by the server at ``now``.
+def claimable(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
+    """Everything ``rules.claimable`` checks, evaluated by the server at ``now``.
 
     Each count over the entries is computed once (``$let``): a look-alike server that
     interprets expressions pays per node, and MongoDB does less work too."""
@@ -241,11 +254,11 @@ def new_entry(
     return rules.new_entry({"$literal": worker_id}, run, now, expires_at, attempt, took_over)
 
 
-def fresh_claim_filter(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
-    """``claim_filter`` for the common case, a PENDING task with no entries yet: every
+def fresh_claimable(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
+    """``claimable`` for the common case, a PENDING task with no entries yet: every
     count is zero, so what is left is small (a look-alike server that interprets
     expressions claims such a task in a third of the time). Whatever it matches,
-    ``claim_filter`` matches too, and ``fresh_claim_update`` writes what ``claim_update`` would."""
+    ``claimable`` matches too, and ``fresh_claim`` writes what ``claim`` would."""
     # Not ``fatal`` (written by hand on a PENDING task): the general claim's summary ends such
     # a task FAIL, which the small update does not work out.
     checks = (
@@ -256,8 +269,8 @@ def fresh_claim_filter(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
     return _due_for(worker_id, now, TaskState.PENDING.value, {"$size": 0}, *checks)
 
 
-def fresh_claim_update(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
-    """``claim_update`` plus ``summary_stages`` worked out for a task with no entries."""
+def fresh_claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
+    """``claim`` plus ``summarize`` worked out for a task with no entries."""
     attempts = {"$add": [tally(f.ATTEMPTS), 1]}
     entry = new_entry(worker_id, run_id, attempts, [], now)
     one_slot_left = {"$lt": [1, CONCURRENCY]}
@@ -273,7 +286,7 @@ def fresh_claim_update(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> l
     return [{"$set": changes}]
 
 
-def claim_update(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
+def claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
     """Drop expired leases (each spends a failure) and append this worker's entry, or
     none when the task is ``reapable`` (it then ends FAIL, its dead runs kept as FAIL
     entries with the ``LeaseExpired`` error). ``run_id`` is a token or
@@ -300,7 +313,7 @@ def claim_update(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Ex
         },
         {"$set": {f.WORKERS: {"$cond": [reap, reaped, claimed]}}},
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
-        *summary_stages(now),
+        *summarize(now),
     ]
 
 
@@ -322,7 +335,7 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     return {"$arrayElemAt": [{"$literal": run_ids}, position]}
 
 
-def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
+def sweepable(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
     """``rules.sweepable`` for tasks in ``state`` (PENDING or RUNNING: the sweep reads each
     as its own range of the claim index, state then claimable_at). ``horizon`` is a date
     (the worker's estimate of server time plus how far ahead it looks): it bounds the
@@ -359,22 +372,22 @@ def due_pipeline(
     wait until the backlog drained. A limited name apart, because its tasks wait for its
     gate, not for a free worker: a backlog of it would fill every sweep and hide the other
     names' tasks, and another name's backlog would hide its tasks while its gates idle.
-    Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
+    Last, at most ``limit`` unsettled documents of any name (``unsettled``), which
     the worker normalizes."""
 
     def branch(state: str, of: list[str]) -> list[dict[str, Any]]:
-        match = due_filter(worker_id, of, horizon, state)
+        match = sweepable(worker_id, of, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
     def union(pipeline: list[dict[str, Any]]) -> dict[str, Any]:
         return {"$unionWith": {"coll": collection, "pipeline": pipeline}}
 
     pending = [union(branch(TaskState.PENDING.value, group)) for group in rules.sweep_groups(names, apart)]
-    unsettled: list[dict[str, Any]] = [{"$match": unsettled_filter()}, {"$limit": limit}]
-    return [*branch(TaskState.RUNNING.value, names), *pending, union(unsettled)]
+    leftovers: list[dict[str, Any]] = [{"$match": unsettled()}, {"$limit": limit}]
+    return [*branch(TaskState.RUNNING.value, names), *pending, union(leftovers)]
 
 
-def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+def hears(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """The ``$match`` of a worker's change stream: only changes that can give it work.
 
     New tasks of its names (inserts, and replacements, which carry the whole document)
@@ -393,7 +406,7 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     whole = [n for n in names if owned is None or n not in owned]
     if whole:
         inserts.append({**new, name: {"$in": whole}})
-    unrouted = {bucket: {"$not": {"$gte": 0, "$lt": f.BUCKETS}}}
+    unrouted = {bucket: {"$not": in_bucket_range()}}
     for buckets, group in _by_buckets(names, owned or {}):
         inserts.append({**new, name: {"$in": group}, "$or": [{bucket: {"$in": buckets}}, unrouted]})
     return {
@@ -409,6 +422,11 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     }
 
 
+def in_bucket_range() -> dict[str, Any]:
+    """``rules.in_bucket_range``: a bucket number in ``[0, BUCKETS)``."""
+    return {"$gte": 0, "$lt": f.BUCKETS}
+
+
 def _by_buckets(names: list[str], owned: Mapping[str, Sequence[int]]) -> list[tuple[list[int], list[str]]]:
     """Names that own the same buckets, grouped, so the filter lists each bucket set once."""
     groups: dict[tuple[int, ...], list[str]] = {}
@@ -418,16 +436,16 @@ def _by_buckets(names: list[str], owned: Mapping[str, Sequence[int]]) -> list[tu
     return [(list(buckets), group) for buckets, group in groups.items()]
 
 
-def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
+def renewable(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
     """``rules.renewal_status`` is DONE: owned, not CANCELED, still allowed."""
     return {
-        **entry_filter(key, run_id),
+        **running_entry(key, run_id),
         f.STATE: {"$ne": TaskState.CANCELED.value},
         "$or": _allowed(worker_id),
     }
 
 
-def entry_filter(key: str, run_id: str) -> dict[str, Any]:
+def running_entry(key: str, run_id: str) -> dict[str, Any]:
     """The fencing filter: the run's entry must still be RUNNING under this run_id."""
     return {f.KEY: key, f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}}}
 
@@ -439,16 +457,16 @@ def update_entry(run_id: str, changes: dict[str, Expr]) -> Expr:
     return {"$set": {f.WORKERS: {"$map": {"input": WORKERS, "as": "w", "in": mapped}}}}
 
 
-def ping_update(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
+def ping(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
     changes: dict[str, Expr] = {f.PING_AT: now, f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT), now)}
     if progress is not None:
         changes[f.PROGRESS] = {"$literal": progress}
-    return [update_entry(run_id, changes), *summary_stages(now)]
+    return [update_entry(run_id, changes), *summarize(now)]
 
 
-def success_update(run_id: str, result: Any, now: Expr = NOW) -> list[Expr]:
+def succeed(run_id: str, result: Any, now: Expr = NOW) -> list[Expr]:
     changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: now}
-    return [update_entry(run_id, changes), *summary_stages(now)]
+    return [update_entry(run_id, changes), *summarize(now)]
 
 
 def storable_as_is(value: Any) -> bool:
@@ -463,10 +481,10 @@ def storable_as_is(value: Any) -> bool:
     return True
 
 
-def quick_success(
+def quick_succeed(
     key: str, run_id: str, result: Any, now: datetime | None = None
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """``success_update`` for the common case, as plain update operators (filter, update,
+    """``succeed`` for the common case, as plain update operators (filter, update,
     array filters): a RUNNING task with one slot. While the run's entry is RUNNING, one
     slot means it is the only live or successful entry, so the summary is known: SUCCESS,
     finished now, no ``claimable_at``. Any other case (canceled, several slots, a slot
@@ -482,7 +500,7 @@ def quick_success(
         f.FATAL: {"$ne": True},
         f.FINISHED_AT: {"$exists": False},
     }
-    query = {**entry_filter(key, run_id), **one_slot}
+    query = {**running_entry(key, run_id), **one_slot}
     times = (f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}", f.FINISHED_AT, f.UPDATED_AT)
     values = {
         f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
@@ -498,44 +516,44 @@ def quick_success(
     return query, update, [{f"{run}.{f.RUN_ID}": run_id}]
 
 
-def failure_update(
+def fail(
     run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False, now: Expr = NOW
 ) -> list[Expr]:
-    """``rules.apply_failure``: a final failure sets ``fatal``; any other spends one
+    """``rules.fail``: a final failure sets ``fatal``; any other spends one
     failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``)."""
     changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
     if final:
-        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summary_stages(now)]
+        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now)]
     later = (
         after_now(f.opt(f.RETRY_BACKOFF), now, now) if retry_in is None else {"$add": [now, retry_in * 1000]}
     )
     counters = {f.FAILURES: {"$add": [tally(f.FAILURES), 1]}, f.RUN_AT: {"$max": [f.ref(f.RUN_AT), later]}}
-    return [update_entry(run_id, changes), {"$set": counters}, *summary_stages(now)]
+    return [update_entry(run_id, changes), {"$set": counters}, *summarize(now)]
 
 
-def snooze_update(run_id: str, seconds: float, now: Expr = NOW) -> list[Expr]:
-    """``rules.apply_snooze``: drop the run's entry, run again ``seconds`` from server now."""
+def snooze(run_id: str, seconds: float, now: Expr = NOW) -> list[Expr]:
+    """``rules.snooze``: drop the run's entry, run again ``seconds`` from server now."""
     keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
     snoozes = {"$add": [tally(f.SNOOZES), 1]}
     later = {"$add": [now, seconds * 1000]}
-    return [{"$set": {f.WORKERS: entries(keep), f.RUN_AT: later, f.SNOOZES: snoozes}}, *summary_stages(now)]
+    return [{"$set": {f.WORKERS: entries(keep), f.RUN_AT: later, f.SNOOZES: snoozes}}, *summarize(now)]
 
 
-def release_update(run_id: str, now: Expr = NOW) -> list[Expr]:
+def release(run_id: str, now: Expr = NOW) -> list[Expr]:
     keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
-    return [{"$set": {f.WORKERS: entries(keep)}}, *summary_stages(now)]
+    return [{"$set": {f.WORKERS: entries(keep)}}, *summarize(now)]
 
 
-def cancel_filter(key: str) -> dict[str, Any]:
+def cancelable(key: str) -> dict[str, Any]:
     """``rules.cancelable``: the task of ``key`` unless it ended SUCCESS or FAIL, which a
     cancel leaves as it is (``updated_at`` included)."""
     done = {"$in": [f.ref(f.STATE), [TaskState.SUCCESS.value, TaskState.FAIL.value]]}
     return {f.KEY: key, "$expr": _not(done)}
 
 
-def cancel_update(now: Expr = NOW) -> list[Expr]:
-    """``rules.apply_cancel`` under ``cancel_filter``."""
-    return [{"$set": {f.STATE: TaskState.CANCELED.value}}, *summary_stages(now)]
+def cancel(now: Expr = NOW) -> list[Expr]:
+    """``rules.cancel`` under ``cancelable``."""
+    return [{"$set": {f.STATE: TaskState.CANCELED.value}}, *summarize(now)]
 
 
 def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
@@ -545,7 +563,7 @@ def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
     return {"$add": [now, delay * 1000]} if delay else now
 
 
-def publish_update(
+def publish(
     new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool, now: Expr = NOW
 ) -> list[Expr]:
     """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option.
@@ -562,18 +580,18 @@ def publish_update(
         branches.append({"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": fresh})
     stages: list[Expr] = []
     if update_pending:
-        branches.append({"case": _updatable(), "then": _pending_update(new, run_at, now)})
-        stages = _pending_summary(now)
+        branches.append({"case": updatable(), "then": pending_update(new, run_at, now)})
+        stages = pending_update_summary(now)
     return [{"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}}, *stages]
 
 
-def _updatable() -> Expr:
+def updatable() -> Expr:
     """``rules.updatable``: PENDING, and no worker running it or done with it."""
     started = count({"$or": [IS_RUNNING, IS_SUCCESS]})
     return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
 
 
-def _pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
+def pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
     spent = {"$gte": [tally(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
     changes = {
         f.PARAMS: {"$literal": new[f.PARAMS]},
@@ -588,8 +606,8 @@ def _pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
     return {"$mergeObjects": ["$$ROOT", changes]}
 
 
-def _pending_summary(now: Expr) -> list[Expr]:
-    """After ``_pending_update`` (and only then): a task whose spent budget ended it FAIL
+def pending_update_summary(now: Expr) -> list[Expr]:
+    """After ``update_pending`` (and only then): a task whose spent budget ended it FAIL
     loses ``claimable_at`` and gets its ``finished_at``; one left PENDING has none."""
     updated = {"$eq": ["$_tr_updated", True]}
     ended = {"$and": [updated, {"$eq": [f.ref(f.STATE), TaskState.FAIL.value]}]}
@@ -600,13 +618,13 @@ def _pending_summary(now: Expr) -> list[Expr]:
     return [{"$set": changes}, {"$unset": ["_tr_updated"]}]
 
 
-def retry_filter(key: str, now: Expr = NOW) -> dict[str, Any]:
-    """``rules.apply_retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
+def retryable(key: str, now: Expr = NOW) -> dict[str, Any]:
+    """``rules.retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
     return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(is_live(now)), 0]}}
 
 
-def retry_update(now: Expr = NOW) -> list[Expr]:
-    """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
+def retry(now: Expr = NOW) -> list[Expr]:
+    """``rules.retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
     recheck = {"$or": [{"$eq": [{"$type": f.ref(f.ERROR)}, "object"]}, *unreadable]}
     fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now, "_tr_recheck": recheck}
@@ -619,7 +637,7 @@ def retry_update(now: Expr = NOW) -> list[Expr]:
     return [
         {"$set": fresh},
         {"$unset": [f.FATAL, f.ERROR]},
-        *summary_stages(now),
+        *summarize(now),
         {"$set": again},
         {"$unset": ["_tr_recheck"]},
     ]
@@ -646,7 +664,7 @@ def unsettled_branches() -> list[dict[str, Any]]:
     ]
 
 
-def unsettled_filter() -> dict[str, Any]:
+def unsettled() -> dict[str, Any]:
     """Documents a sweep hands to ``Store.normalize`` (``rules.unsettled``)."""
     return {"$or": unsettled_branches()}
 
@@ -656,8 +674,8 @@ def _if_missing(field: str, value: Expr) -> Expr:
     return {"$cond": [_missing(field), value, f.ref(field)]}
 
 
-def normalize_update(fill: dict[str, Any], now: Expr = NOW) -> list[Expr]:
-    """``rules.apply_normalization`` without the mark: set each field of ``fill`` only if it
+def normalize(fill: dict[str, Any], now: Expr = NOW) -> list[Expr]:
+    """``rules.normalize`` without the mark: set each field of ``fill`` only if it
     is still missing when the write lands (a racing worker's write wins, unchanged), times
     in server time; options merged under those given; claimable_at from the run_at set."""
     stage: dict[str, Expr] = {
@@ -677,8 +695,8 @@ def normalize_update(fill: dict[str, Any], now: Expr = NOW) -> list[Expr]:
     return stages
 
 
-def mark_update(problem: str, now: Expr = NOW) -> list[Expr]:
-    """The mark of ``rules.apply_normalization``: FAIL, ``fatal``, the document's own error."""
+def mark(problem: str, now: Expr = NOW) -> list[Expr]:
+    """The mark of ``rules.normalize``: FAIL, ``fatal``, the document's own error."""
     mark = {f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: {"$literal": marked_error(problem)}}
     return [{"$set": {**mark, f.FINISHED_AT: now, f.UPDATED_AT: now}}, {"$unset": [f.CLAIMABLE_AT]}]
 
@@ -691,7 +709,7 @@ def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
     return {**missing, "$expr": {"$and": present}} if present else missing
 
 
-def purge_filter(states: list[str], older_than_ms: float, now: Expr = NOW) -> dict[str, Any]:
+def purgeable(states: list[str], older_than_ms: float, now: Expr = NOW) -> dict[str, Any]:
     """Finished tasks in ``states`` whose ``finished_at`` is older than the cutoff (server time)."""
     cutoff = {"$subtract": [now, older_than_ms]}
     return {
