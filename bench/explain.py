@@ -197,8 +197,8 @@ def queries(pending_key: str, now: datetime) -> tuple[dict[str, Query], set[str]
     """Each query as the store sends it, as (collection suffix, find command body), and
     the labels of the hot ones. The parts of ``stats`` (one aggregate of ``$unionWith``
     parts) are explained as the finds their first stages are."""
-    claim = x.claim_filter(WORKER) | {f.NAME: {"$in": ["noop"]}}
-    fresh = x.fresh_claim_filter(WORKER) | {f.NAME: {"$in": ["noop"]}}
+    claim = x.claimable(WORKER) | {f.NAME: {"$in": ["noop"]}}
+    fresh = x.fresh_claimable(WORKER) | {f.NAME: {"$in": ["noop"]}}
     sort = dict(CLAIM_SORT)
     batch = [pending_key, "todo:0000001", "todo:0000002"]
     stats = x.stats_pipeline("tasks", now - timedelta(hours=1))
@@ -206,7 +206,7 @@ def queries(pending_key: str, now: datetime) -> tuple[dict[str, Query], set[str]
     due: dict[str, Query] = {
         f"sweep_{state.lower()}": (
             "",
-            {"filter": x.due_filter(WORKER, ["noop"], now, state), "sort": {f.CLAIMABLE_AT: 1}, "limit": 100},
+            {"filter": x.sweepable(WORKER, ["noop"], now, state), "sort": {f.CLAIMABLE_AT: 1}, "limit": 100},
         )
         for state in (TaskState.RUNNING.value, TaskState.PENDING.value)
     }
@@ -232,8 +232,8 @@ def queries(pending_key: str, now: datetime) -> tuple[dict[str, Query], set[str]
         "claim_recovery_keyless": ("", {"filter": x.claims_filter(WORKER, ["no-such-run"], None)}),
         **due,
         **unsettled,
-        "ping_finish": ("", {"filter": x.entry_filter(pending_key, "no-such-run")}),
-        "renewal": ("", {"filter": x.renewal_filter(pending_key, "no-such-run", WORKER)}),
+        "ping_finish": ("", {"filter": x.running_entry(pending_key, "no-such-run")}),
+        "renewal": ("", {"filter": x.renewable(pending_key, "no-such-run", WORKER)}),
         "get": ("", {"filter": {f.KEY: pending_key}, "limit": 1}),
         **listing,
         "stats_counts": (
@@ -269,7 +269,7 @@ def queries(pending_key: str, now: datetime) -> tuple[dict[str, Query], set[str]
             "",
             {"filter": {f"{f.WORKERS}.{f.WORKER_ID}": "w3"}, "sort": by_creation, "limit": 50},
         ),
-        "purge": ("", {"filter": x.purge_filter([TaskState.SUCCESS.value], 7 * 86_400_000)}),
+        "purge": ("", {"filter": x.purgeable([TaskState.SUCCESS.value], 7 * 86_400_000)}),
     }
     return hot | rare, set(hot)
 

@@ -1,9 +1,21 @@
 """The task state machine as plain Python over raw documents.
 
-This is the reference the in-memory store runs and the MongoDB pipelines in
-``store/expressions.py`` mirror; the contract suite holds the two together.
-Comparisons follow MongoDB's query semantics: a claim-time field that is missing,
-null or not a date never matches.
+The in-memory store runs it; ``store/expressions.py`` states the same rules as MongoDB
+filters and pipelines, which the Mongo store sends. Where a filter states a rule, the rule
+reads fields as MongoDB's query language does (an array by its elements, a comparison with a
+date matching dates only); a claim-time field that is missing, null or not a date never
+matches.
+
+The two modules are twins: each rule has one name in both. A predicate is an adjective
+and a write a verb or noun: ``rules.claimable(doc, worker_id, now)`` says whether the
+filter ``expressions.claimable(worker_id, now)`` matches ``doc``, and ``rules.claim(doc,
+worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(worker_id,
+run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
+``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
+``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
+``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
+``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+generated documents and compares (docs/design.md, "One set of rules, twice").
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ import copy
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, overload
 
 from bson import DatetimeMS
 from pydantic import ValidationError
@@ -26,12 +38,58 @@ Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
 ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
 DATES = datetime | DatetimeMS
-PENDING_UNCHANGED = object()  # marks "state not among the changed fields" in ``wakes``
 
 
 def _num(value: object) -> float | None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     return float(value) if ok else None  # type: ignore[arg-type]
+
+
+# -- MongoDB's query language (find, $match, update filters), where a filter states a rule --
+# A predicate on a field tests the value and, for an array, each element; a comparison with
+# a date matches dates only (type bracketing). Aggregation expressions (``$expr``, update
+# pipelines) do neither: there an array is one value, compared as an array; the rules that
+# those state read fields as plain Python does.
+
+
+def _query_values(value: Any) -> list[Any]:
+    """What a query predicate on a field tests: the value and, for an array, each element."""
+    return [value, *value] if isinstance(value, list) else [value]
+
+
+def is_one_of(value: Any, targets: Collection[str]) -> bool:
+    """``{field: {$in: targets}}`` (or ``{field: target}``) for strings; ``$nin`` and ``$ne``
+    are its negation (a missing field included)."""
+    return any(isinstance(v, str) and v in targets for v in _query_values(value))
+
+
+def has_string(value: Any) -> bool:
+    """``{field: {$type: "string"}}``."""
+    return any(isinstance(v, str) for v in _query_values(value))
+
+
+def date_at_most(value: Any, bound: datetime) -> bool:
+    """``{field: {$lte: bound}}`` for a date ``bound``: a date at most ``bound``, or an array
+    holding one."""
+    return any(isinstance(v, datetime) and v <= bound for v in _query_values(value))
+
+
+def date_after(value: Any, bound: datetime) -> bool:
+    """``{field: {$type: "date", $gt: bound}}``: a date after ``bound``, or an array holding one."""
+    return any(isinstance(v, datetime) and v > bound for v in _query_values(value))
+
+
+def allows(doc: Doc, worker_id: str) -> bool:
+    """``options.worker_ids`` is empty or names the worker, as the filters' ``$or`` of
+    ``{$size: 0}`` and equality judge it (a string equal to the id names it too)."""
+    allowed = option(doc, f.WORKER_IDS)
+    return allowed == [] or is_one_of(allowed, (worker_id,))
+
+
+def tally(value: Any) -> Any:
+    """A counter (``failures``, ``attempts``, ``snoozes``) as written, or 0 when it is not a
+    number: a hand-broken counter counts as none, and the next write makes it one."""
+    return value if _num(value) is not None else 0
 
 
 def _entries(doc: Doc) -> list[Doc]:
@@ -86,7 +144,7 @@ def summarize(doc: Doc, now: datetime) -> None:
 def _summary_state(doc: Doc) -> str:
     concurrency = _num(option(doc, f.CONCURRENCY))
     max_failures = _num(option(doc, f.MAX_FAILURES))
-    failures = _num(doc.get(f.FAILURES)) or 0.0
+    failures = tally(doc.get(f.FAILURES))
     if doc.get(f.STATE) == TaskState.CANCELED.value:
         return TaskState.CANCELED.value
     if doc.get(f.FATAL) is True:
@@ -101,23 +159,24 @@ def _summary_state(doc: Doc) -> str:
 
 
 def fresh(doc: Doc) -> bool:
-    """Nobody ran this task yet: PENDING with no entries (what ``fresh`` claims take)."""
-    return doc.get(f.STATE) == TaskState.PENDING.value and doc.get(f.WORKERS) == []
+    """Nobody ran this task yet: PENDING with no entries, not ``fatal`` (what ``fresh`` claims take)."""
+    pending = is_one_of(doc.get(f.STATE), (TaskState.PENDING.value,))
+    return pending and doc.get(f.WORKERS) == [] and doc.get(f.FATAL) is not True
 
 
-def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
+def fresh_claimable(doc: Doc, worker_id: str, now: datetime) -> bool:
+    """What a ``fresh`` claim takes: ``fresh`` and ``claimable`` (then ``claim`` applies)."""
+    return fresh(doc) and claimable(doc, worker_id, now)
+
+
+def claimable(doc: Doc, worker_id: str, now: datetime) -> bool:
     """May ``worker_id`` claim this task at server time ``now``? (the claim filter)"""
     claimable_at = doc.get(f.CLAIMABLE_AT)
-    if doc.get(f.STATE) not in ACTIVE or not isinstance(claimable_at, datetime):
+    if not is_one_of(doc.get(f.STATE), ACTIVE) or not isinstance(claimable_at, datetime):
+        return False  # an array holding a date is not one: a sweep finds it, normalizing marks it
+    if not isinstance(doc.get(f.WORKERS), list) or not allows(doc, worker_id):
         return False
-    allowed = option(doc, f.WORKER_IDS)
-    if (
-        not isinstance(doc.get(f.WORKERS), list)
-        or not isinstance(allowed, list)
-        or (allowed and worker_id not in allowed)
-    ):
-        return False
-    if claimable_at > now or _numbers(doc) is None:
+    if claimable_at > now or numbers(doc) is None:
         return False
     entries = _entries(doc)
     mine = [w for w in entries if w.get(f.WORKER_ID) == worker_id]
@@ -125,13 +184,14 @@ def claimable_by(doc: Doc, worker_id: str, now: datetime) -> bool:
     return (not mine_active and _has_budget(doc, entries, now)) or reapable(doc, now)
 
 
-def _numbers(doc: Doc) -> tuple[float, float, float] | None:
+def numbers(doc: Doc) -> tuple[float, float, float] | None:
+    """Concurrency, max_failures and failures, when all three are numbers."""
     values = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)), _num(doc.get(f.FAILURES)))
     return None if None in values else values  # type: ignore[return-value]
 
 
 def _has_budget(doc: Doc, entries: list[Doc], now: datetime) -> bool:
-    concurrency, max_failures, failures = _numbers(doc) or (0.0, 0.0, 0.0)
+    concurrency, max_failures, failures = numbers(doc) or (0.0, 0.0, 0.0)
     expired = sum(is_expired(w, now) for w in entries)
     live = sum(is_live(w, now) for w in entries)
     return failures + expired < max_failures and successes(doc) + live < concurrency
@@ -142,11 +202,11 @@ def reapable(doc: Doc, now: datetime) -> bool:
 
     The claim that finds such a task drops those leases and adds no entry, so a task
     whose last allowed run died does not stay RUNNING forever."""
-    numbers, entries = _numbers(doc), _entries(doc)
-    if numbers is None or any(is_live(w, now) for w in entries):
+    counters, entries = numbers(doc), _entries(doc)
+    if counters is None or any(is_live(w, now) for w in entries):
         return False
     expired = sum(is_expired(w, now) for w in entries)
-    return expired > 0 and numbers[2] + expired >= numbers[1]
+    return expired > 0 and counters[2] + expired >= counters[1]
 
 
 LEASE_EXPIRED: Doc = {
@@ -158,7 +218,7 @@ LEASE_EXPIRED: Doc = {
 """The error a reaped task's dead runs end with, so the FAIL document says why."""
 
 
-def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
+def claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     """Drop expired leases (each spends one failure), append this worker's entry
     (none when the task is ``reapable``: then it ends, its dead runs kept as FAIL entries)."""
     reap = reapable(doc, now)  # decided before the expired leases are counted
@@ -170,12 +230,12 @@ def apply_claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
             dead.update({f.STATE: EntryState.FAIL.value, f.ERROR: dict(LEASE_EXPIRED), f.FINISHED_AT: now})
         summarize(doc, now)
         return
-    attempt = int(_num(doc.get(f.ATTEMPTS)) or 0) + 1
-    timeout = _num(option(doc, f.PING_TIMEOUT))
-    expires_at = None if timeout is None else now + timedelta(seconds=timeout)
+    attempt = tally(doc.get(f.ATTEMPTS)) + 1
+    expires_at = after(now, option(doc, f.PING_TIMEOUT))
     entry = new_entry(worker_id, run_id, now, expires_at, attempt, [w.get(f.WORKER_ID) for w in expired])
     doc[f.ATTEMPTS] = attempt
-    doc[f.WORKERS] = [w for w in entries if w not in expired] + [entry]
+    # Whatever else the list holds stays (an entry that is not an object is kept as written).
+    doc[f.WORKERS] = [w for w in doc[f.WORKERS] if not (isinstance(w, dict) and is_expired(w, now))] + [entry]
     summarize(doc, now)
 
 
@@ -209,20 +269,28 @@ def claim_order(doc: Doc) -> tuple[float, str, str]:
 
 
 def running_entry(doc: Doc, run_id: str) -> Doc | None:
-    """The RUNNING entry of ``run_id``: the fencing check every state write makes."""
-    return next((w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_running(w)), None)
+    """The RUNNING entry of ``run_id``: the fencing check every state write makes (an
+    ``$elemMatch``, so a state ``["RUNNING"]`` passes it)."""
+    running = (EntryState.RUNNING.value,)
+    return next(
+        (w for w in _entries(doc) if w.get(f.RUN_ID) == run_id and is_one_of(w.get(f.STATE), running)), None
+    )
 
 
 def renewal_status(doc: Doc | None, run_id: str, worker_id: str) -> RunStatus:
     """Whether a lease renewal for ``run_id`` may land on ``doc`` (DONE) or why not."""
     if doc is None or running_entry(doc, run_id) is None:
         return RunStatus.LOST
-    if doc.get(f.STATE) == TaskState.CANCELED.value:
+    if is_one_of(doc.get(f.STATE), (TaskState.CANCELED.value,)):
         return RunStatus.CANCELED
-    allowed = option(doc, f.WORKER_IDS)
-    if not isinstance(allowed, list) or (allowed and worker_id not in allowed):
+    if not allows(doc, worker_id):
         return RunStatus.NOT_ALLOWED
     return RunStatus.DONE
+
+
+def renewable(doc: Doc, run_id: str, worker_id: str) -> bool:
+    """A lease renewal lands (``renewal_status`` is DONE)."""
+    return renewal_status(doc, run_id, worker_id) is RunStatus.DONE
 
 
 def outcome_status(doc: Doc | None, run_id: str, state: EntryState) -> RunStatus:
@@ -232,20 +300,31 @@ def outcome_status(doc: Doc | None, run_id: str, state: EntryState) -> RunStatus
     return RunStatus.DONE if done else RunStatus.LOST
 
 
-def apply_ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
+@overload
+def after(now: datetime, seconds: Any, otherwise: datetime) -> datetime: ...
+@overload
+def after(now: datetime, seconds: Any, otherwise: None = None) -> datetime | None: ...
+def after(now: datetime, seconds: Any, otherwise: datetime | None = None) -> datetime | None:
+    """``now`` plus ``seconds``, or ``otherwise`` when that is not a number (a lease whose
+    ``ping_timeout`` does not read has no expiry: it counts as expired)."""
+    number = _num(seconds)
+    return otherwise if number is None else now + timedelta(seconds=number)
+
+
+def ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
     entry[f.PING_AT] = now
-    entry[f.EXPIRES_AT] = now + timedelta(seconds=option(doc, f.PING_TIMEOUT))
+    entry[f.EXPIRES_AT] = after(now, option(doc, f.PING_TIMEOUT))
     if progress is not None:
         entry[f.PROGRESS] = progress
     summarize(doc, now)
 
 
-def apply_success(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
+def succeed(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
     entry.update({f.STATE: EntryState.SUCCESS.value, f.RESULT: result, f.FINISHED_AT: now})
     summarize(doc, now)
 
 
-def apply_failure(
+def fail(
     doc: Doc, entry: Doc, error: Doc, now: datetime, retry_in: float | None = None, final: bool = False
 ) -> None:
     """Record the failure. A ``final`` one ends the task FAIL (``fatal``) without spending
@@ -256,30 +335,40 @@ def apply_failure(
         doc[f.FATAL] = True
         summarize(doc, now)
         return
-    doc[f.FAILURES] = doc[f.FAILURES] + 1
-    seconds = _num(option(doc, f.RETRY_BACKOFF)) if retry_in is None else retry_in
-    retry_at = now + timedelta(seconds=seconds or 0)
+    doc[f.FAILURES] = tally(doc.get(f.FAILURES)) + 1
+    retry_at = after(now, option(doc, f.RETRY_BACKOFF) if retry_in is None else retry_in, now)
     run_at = doc.get(f.RUN_AT)
     doc[f.RUN_AT] = max(run_at, retry_at) if isinstance(run_at, datetime) else retry_at
     summarize(doc, now)
 
 
-def apply_snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
+def _without(doc: Doc, entry: Doc) -> list[Any]:
+    """The entries but ``entry`` (what else the list holds is kept as written)."""
+    return [w for w in doc[f.WORKERS] if w is not entry]
+
+
+def snooze(doc: Doc, entry: Doc, now: datetime, seconds: float) -> None:
     """Give the claim back and run again ``seconds`` from now; no failure is counted."""
-    doc[f.WORKERS] = [w for w in _entries(doc) if w is not entry]
+    doc[f.WORKERS] = _without(doc, entry)
     doc[f.RUN_AT] = now + timedelta(seconds=seconds)
-    doc[f.SNOOZES] = int(_num(doc.get(f.SNOOZES)) or 0) + 1
+    doc[f.SNOOZES] = tally(doc.get(f.SNOOZES)) + 1
     summarize(doc, now)
 
 
-def apply_release(doc: Doc, entry: Doc, now: datetime) -> None:
+def release(doc: Doc, entry: Doc, now: datetime) -> None:
     """Give the claim back without spending the failure budget."""
-    doc[f.WORKERS] = [w for w in _entries(doc) if w is not entry]
+    doc[f.WORKERS] = _without(doc, entry)
     summarize(doc, now)
 
 
-def apply_cancel(doc: Doc, now: datetime) -> None:
-    if doc.get(f.STATE) in (TaskState.SUCCESS.value, TaskState.FAIL.value):
+def cancelable(doc: Doc) -> bool:
+    """A task that did not end SUCCESS or FAIL (canceling twice is harmless)."""
+    return doc.get(f.STATE) not in (TaskState.SUCCESS.value, TaskState.FAIL.value)
+
+
+def cancel(doc: Doc, now: datetime) -> None:
+    """CANCELED, when ``cancelable``; a finished task is left as it is."""
+    if not cancelable(doc):
         return
     doc[f.STATE] = TaskState.CANCELED.value
     summarize(doc, now)
@@ -314,22 +403,42 @@ def bucket_of(key: str) -> int:
 
 
 def in_bucket_range(value: object) -> bool:
-    """Is ``value`` a number in ``[0, BUCKETS)``, as ``{$gte: 0, $lt: BUCKETS}`` judges?"""
-    number = _num(value)
-    return number is not None and 0 <= number < f.BUCKETS
+    """Is ``value`` a number in ``[0, BUCKETS)``, as ``{$gte: 0, $lt: BUCKETS}`` judges? (An
+    array passes when one element is at least 0 and one, maybe another, below BUCKETS.)"""
+    numbers = [n for n in map(_num, _query_values(value)) if n is not None]
+    return any(n >= 0 for n in numbers) and any(n < f.BUCKETS for n in numbers)
+
+
+def number_in(value: object, targets: Collection[int]) -> bool:
+    """``{field: {$in: targets}}`` for numbers (1.0 is 1; true is not)."""
+    return any(n in targets for n in map(_num, _query_values(value)) if n is not None)
 
 
 def hears_insert(doc: Doc, names: Collection[str], owned: Mapping[str, Collection[int]] | None) -> bool:
     """Does a worker for ``names`` that owns the buckets ``owned`` (per name; a name not
-    there: every bucket) hear this new document? (``expressions.work_match`` on inserts.)
+    there: every bucket) hear this new document? (``expressions.hears`` on inserts.)
     A name that is not a string, or a bucket out of range, is heard by every worker."""
-    name = doc.get(f.NAME)
-    if not isinstance(name, str):
+    name, bucket = doc.get(f.NAME), doc.get(f.BUCKET)
+    if not has_string(name):
         return True
-    if name not in names:
-        return False
-    bucket = doc.get(f.BUCKET)
-    return owned is None or name not in owned or not in_bucket_range(bucket) or bucket in owned[name]
+    if is_one_of(name, [n for n in names if owned is None or n not in owned]):
+        return True
+    routed = [n for n in names if owned is not None and n in owned]
+    return any(
+        is_one_of(name, (n,)) and (number_in(bucket, owned[n]) or not in_bucket_range(bucket))
+        for n in routed
+        if owned is not None
+    )
+
+
+def hears(event: Doc, names: Collection[str], owned: Mapping[str, Collection[int]] | None) -> bool:
+    """Does a worker's change stream pass this change event? New documents it
+    ``hears_insert``, updates that ``wakes`` it."""
+    kind = event.get(f.OPERATION_TYPE)
+    if kind in ("insert", "replace"):
+        return hears_insert(event.get(f.FULL_DOCUMENT) or {}, names, owned)
+    changed = (event.get(f.UPDATE_DESCRIPTION) or {}).get(f.UPDATED_FIELDS)
+    return kind == "update" and isinstance(changed, dict) and wakes(changed)
 
 
 def updatable(doc: Doc) -> bool:
@@ -338,7 +447,7 @@ def updatable(doc: Doc) -> bool:
     return doc.get(f.STATE) == TaskState.PENDING.value and not started
 
 
-def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
+def pending_update(doc: Doc, task: NewTask, now: datetime) -> None:
     """``update_pending``: new params, priority, run_at and options; not a new task."""
     run_at = start_time(task, now)
     doc.update(
@@ -351,10 +460,19 @@ def apply_publish_update(doc: Doc, task: NewTask, now: datetime) -> None:
             f.UPDATED_AT: now,
         }
     )
-    if doc[f.FAILURES] >= task.options.max_failures:
-        doc[f.STATE] = TaskState.FAIL.value
-        doc.pop(f.CLAIMABLE_AT)
+    if tally(doc.get(f.FAILURES)) < task.options.max_failures:
+        doc.pop(f.FINISHED_AT, None)
+        return
+    doc[f.STATE] = TaskState.FAIL.value
+    doc.pop(f.CLAIMABLE_AT)
+    if not isinstance(doc.get(f.FINISHED_AT), datetime):
         doc[f.FINISHED_AT] = now
+
+
+def is_seed(doc: Doc) -> bool:
+    """A document holding nothing but its key (and ``_id``): what an upsert starts from;
+    publishing writes the new task over it."""
+    return doc.keys() <= {f.ID, f.KEY}
 
 
 def start_time(task: NewTask, now: datetime) -> datetime:
@@ -386,8 +504,10 @@ def wakes(changed: Mapping[str, Any]) -> bool:
     left, a retry, a republish) or got a new ``run_at`` while unfinished (a failure that
     freed one of several slots, ``update_pending``). Claims, renewals and outcomes do
     not: those are exactly the events a worker's change stream leaves out."""
-    state = changed.get(f.STATE, PENDING_UNCHANGED)
-    return state == TaskState.PENDING.value or (f.RUN_AT in changed and state not in FINISHED)
+    state = changed.get(f.STATE)
+    return is_one_of(state, (TaskState.PENDING.value,)) or (
+        f.RUN_AT in changed and not is_one_of(state, FINISHED)
+    )
 
 
 def wake_at(changed: Mapping[str, Any]) -> datetime | None:
@@ -408,20 +528,32 @@ def sweepable(doc: Doc, worker_id: str, names: Sequence[str], horizon: datetime)
     success nor held by a lease of its own that is still live at ``horizon``.
 
     An own lease that expires by then does not hide the task: the claim filter lets the
-    worker take it over (``claimable_by``), and a claim whose reply was lost leaves just
+    worker take it over (``claimable``), and a claim whose reply was lost leaves just
     such an entry; hidden, the task could stay RUNNING for good when no other worker may
     start it (a gate with a single owner)."""
-    claimable_at = doc.get(f.CLAIMABLE_AT)
-    allowed = option(doc, f.WORKER_IDS)
-    mine = [w for w in _entries(doc) if w.get(f.WORKER_ID) == worker_id]
+    mine = [w for w in _entries(doc) if is_one_of(w.get(f.WORKER_ID), (worker_id,))]
+    succeeded, running = (EntryState.SUCCESS.value,), (EntryState.RUNNING.value,)
+    held = any(is_one_of(w.get(f.STATE), running) and date_after(w.get(f.EXPIRES_AT), horizon) for w in mine)
     return (
-        doc.get(f.STATE) in ACTIVE
-        and doc.get(f.NAME) in names
-        and isinstance(claimable_at, datetime)
-        and claimable_at <= horizon
-        and (allowed == [] or (isinstance(allowed, list) and worker_id in allowed))
-        and not any(w.get(f.STATE) == EntryState.SUCCESS.value or is_live(w, horizon) for w in mine)
+        is_one_of(doc.get(f.STATE), ACTIVE)
+        and is_one_of(doc.get(f.NAME), names)
+        and date_at_most(doc.get(f.CLAIMABLE_AT), horizon)
+        and allows(doc, worker_id)
+        and not any(is_one_of(w.get(f.STATE), succeeded) for w in mine)
+        and not held
     )
+
+
+def sweep_order(doc: Doc) -> datetime:
+    """What a sweep sorts by: ``claimable_at``, of an array the earliest date (a sweepable
+    document has one)."""
+    return min(v for v in _query_values(doc.get(f.CLAIMABLE_AT)) if isinstance(v, datetime))
+
+
+def sweep_groups(names: Sequence[str], apart: Sequence[str]) -> list[list[str]]:
+    """The names a sweep reads PENDING tasks of together, then each name in ``apart`` alone."""
+    together = [name for name in names if name not in apart]
+    return ([together] if together else []) + [[name] for name in names if name in apart]
 
 
 RETRYABLE = (TaskState.FAIL.value, TaskState.CANCELED.value)
@@ -473,8 +605,8 @@ def unsettled(doc: Doc) -> bool:
     """Should a worker's sweep normalize this document? A string key and no valid state,
     or unfinished without a ``claimable_at`` date: nothing else would ever claim it."""
     state = doc.get(f.STATE)
-    unfinished = state in ACTIVE and dateless(doc.get(f.CLAIMABLE_AT))
-    return isinstance(doc.get(f.KEY), str) and (state not in STATES or unfinished)
+    unfinished = is_one_of(state, ACTIVE) and dateless(doc.get(f.CLAIMABLE_AT))
+    return has_string(doc.get(f.KEY)) and (not is_one_of(state, STATES) or unfinished)
 
 
 def dateless(value: Any) -> bool:
@@ -536,7 +668,7 @@ def marked_error(problem: str) -> Doc:
     return {f.ERROR_TYPE: MALFORMED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
 
 
-def apply_normalization(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
+def normalize(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime) -> None:
     """Set ``fill``; a document that still does not read is marked: FAIL, ``fatal``, and
     its own ``error`` naming the field and value. Nothing written by hand is removed."""
     doc.update(fill)
@@ -554,6 +686,11 @@ def still_running(doc: Doc, now: datetime) -> list[str]:
     return [str(w.get(f.WORKER_ID)) for w in _entries(doc) if is_live(w, now)]
 
 
+def retryable(doc: Doc, now: datetime) -> bool:
+    """``retry`` applies: FAIL or CANCELED, and no run ``still_running``."""
+    return is_one_of(doc.get(f.STATE), RETRYABLE) and not still_running(doc, now)
+
+
 def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
     """Why ``retry`` refuses a task: its state, or the runs still stopping."""
     if state not in RETRYABLE:
@@ -562,7 +699,7 @@ def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
     return InvalidState(key, state, "retry", "FAIL or CANCELED", why=why)
 
 
-def apply_retry(doc: Doc, now: datetime) -> None:
+def retry(doc: Doc, now: datetime) -> None:
     """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history.
 
     A document marked unreadable (or whose counters do not read) is left without a
@@ -581,5 +718,6 @@ def apply_retry(doc: Doc, now: datetime) -> None:
 
 
 def purgeable(doc: Doc, states: Sequence[str], cutoff: datetime) -> bool:
+    """Finished in one of ``states`` before ``cutoff`` (a ``finished_at`` that is not a date never is)."""
     finished = doc.get(f.FINISHED_AT)
-    return doc.get(f.STATE) in states and isinstance(finished, datetime) and finished < cutoff
+    return is_one_of(doc.get(f.STATE), states) and isinstance(finished, datetime) and finished < cutoff

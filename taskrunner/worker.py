@@ -242,7 +242,7 @@ class Worker:
                 self.gates.want(gate)
             takeover = 0 if task.state is TaskState.RUNNING else 1
             rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
-            fresh = task.state is TaskState.PENDING and not task.workers
+            fresh = task.state is TaskState.PENDING and not task.workers and not task.fatal
             self.queue.put(task.key, when, rank, fresh=fresh, name=task.name, gate=gate)
             return True
         return False

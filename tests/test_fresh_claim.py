@@ -1,6 +1,6 @@
 """The small claim for a task nobody ran yet writes exactly what the general claim writes.
 
-``MongoStore.claim(fresh=True)`` uses ``fresh_claim_filter``/``fresh_claim_update`` (a
+``MongoStore.claim(fresh=True)`` uses ``fresh_claimable``/``fresh_claim`` (a
 third of the work on a server that interprets expressions) for keys the worker saw with
 no runs; for any document both match, the two must agree, and the small filter must
 never match what the general one refuses.
@@ -79,10 +79,10 @@ async def test_fresh_claim_agrees_with_the_general_claim(store: MongoStore, vari
     await publish_pair(store, VARIANTS[variant])
     after = ReturnDocument.AFTER
     fresh = await store.collection.find_one_and_update(
-        {**x.fresh_claim_filter("w1"), "key": "a"}, x.fresh_claim_update("w1", "r"), return_document=after
+        {**x.fresh_claimable("w1"), "key": "a"}, x.fresh_claim("w1", "r"), return_document=after
     )
     general = await store.collection.find_one_and_update(
-        {**x.claim_filter("w1"), "key": "b"}, x.claim_update("w1", "r"), return_document=after
+        {**x.claimable("w1"), "key": "b"}, x.claim("w1", "r"), return_document=after
     )
     assert_same_writes(fresh, general)
     if variant in ("plain", "two slots", "pinned to w1", "attempted before"):
@@ -96,7 +96,7 @@ async def test_a_task_with_entries_is_left_to_the_general_claim(store: MongoStor
     await store.publish([NewTask.build(key="c", name="job", options={"concurrency": 2})])
     first = await store.claim("w1", key="c")
     assert first is not None
-    fresh = await store.collection.find_one({**x.fresh_claim_filter("w2"), "key": "c"})
+    fresh = await store.collection.find_one({**x.fresh_claimable("w2"), "key": "c"})
     assert fresh is None
     second = await store.claim("w2", key="c")
     assert second is not None and [w.worker_id for w in second.task.workers] == ["w1", "w2"]
@@ -124,9 +124,9 @@ async def test_quick_success_agrees_with_the_pipeline(store: MongoStore, variant
     a, b = runs["a"], runs["b"]
     assert a is not None and b is not None
     result = {"rows": [1, {"n": None}], "ok": True}
-    query, update, array_filters = x.quick_success("a", a.run_id, result)
+    query, update, array_filters = x.quick_succeed("a", a.run_id, result)
     quick = await store.collection.update_one(query, update, array_filters=array_filters)
-    await store.collection.update_one(x.entry_filter("b", b.run_id), x.success_update(b.run_id, result))
+    await store.collection.update_one(x.running_entry("b", b.run_id), x.succeed(b.run_id, result))
     if variant in ("one slot", "retried before"):
         assert quick.modified_count == 1
         docs = [await store.collection.find_one({"key": k}) for k in ("a", "b")]

@@ -175,7 +175,7 @@ def bounded(indexes: dict[str, Keys], query: dict[str, Any], sort: Keys) -> bool
 
 
 def claim_query(key: str | None = None) -> dict[str, Any]:
-    query = x.claim_filter("w1") | {f.NAME: {"$in": ["noop"]}}
+    query = x.claimable("w1") | {f.NAME: {"$in": ["noop"]}}
     return query if key is None else query | {f.KEY: key}
 
 
@@ -185,21 +185,21 @@ HOT: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
     "batched claim": (TASK_INDEXES, claim_query() | {f.KEY: {"$in": ["a", "b"]}}, []),
     "claim read-back and recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], ["a"]), []),
     "keyless claim recovery": (TASK_INDEXES, x.claims_filter("w1", ["r"], None), []),
-    "ping/finish fence": (TASK_INDEXES, x.entry_filter("k", "run"), []),
-    "shared renewal": (TASK_INDEXES, x.renewal_filter("k", "run", "w1"), []),
+    "ping/finish fence": (TASK_INDEXES, x.running_entry("k", "run"), []),
+    "shared renewal": (TASK_INDEXES, x.renewable("k", "run", "w1"), []),
     "renewal read-back": (TASK_INDEXES, {f.KEY: {"$in": ["a", "b"]}}, []),
     "get": (TASK_INDEXES, {f.KEY: "k"}, []),
     "sweep, expired leases": (
         TASK_INDEXES,
-        x.due_filter("w1", ["noop"], 0, TaskState.RUNNING.value),
+        x.sweepable("w1", ["noop"], 0, TaskState.RUNNING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
     "sweep, new tasks": (
         TASK_INDEXES,
-        x.due_filter("w1", ["noop"], 0, TaskState.PENDING.value),
+        x.sweepable("w1", ["noop"], 0, TaskState.PENDING.value),
         [(f.CLAIMABLE_AT, 1)],
     ),
-    "sweep, unsettled": (TASK_INDEXES, x.unsettled_filter(), []),
+    "sweep, unsettled": (TASK_INDEXES, x.unsettled(), []),
     **{
         f"sweep, unsettled branch {i}": (TASK_INDEXES, branch, [])
         for i, branch in enumerate(x.unsettled_branches())
@@ -215,7 +215,7 @@ WALKS: dict[str, tuple[dict[str, Keys], dict[str, Any], Keys]] = {
 RARE: dict[str, tuple[dict[str, Any], Keys]] = {
     "keyless claim": (claim_query(), CLAIM_SORT),
     "candidates, first page": ({f.STATE: {"$in": list(rules.ACTIVE)}}, [(f.KEY, 1)]),
-    "purge": (x.purge_filter([TaskState.SUCCESS.value], 1000.0), []),
+    "purge": (x.purgeable([TaskState.SUCCESS.value], 1000.0), []),
 }
 # Listing (`taskrunner list`): the filter is bounded by an index, or the `created` index is
 # walked (backwards) in the created_at order; no index has created_at after state, name or worker_id.
@@ -243,7 +243,7 @@ UNDATED: dict[str, dict[str, Any]] = {
 def test_bounds_follow_the_planners_rules() -> None:
     """Points, ranges, complements and types bound; ``$expr``, ``$or`` and a negated ``$type`` do not."""
     assert bounds(claim_query()) == {f.STATE: "point", f.CLAIMABLE_AT: "whole", f.NAME: "point"}
-    assert bounds(x.entry_filter("k", "r")) == {
+    assert bounds(x.running_entry("k", "r")) == {
         f.KEY: "point",
         f"{f.WORKERS}.{f.RUN_ID}": "point",
         f"{f.WORKERS}.{f.STATE}": "point",

@@ -125,10 +125,10 @@ def test_redact_hides_credentials() -> None:
 def test_claim_drops_expired_leases_and_counts_them() -> None:
     """A claim removes other workers' expired RUNNING entries, spending one failure each."""
     doc = doc_for(ping_interval=1, ping_timeout=2)
-    rules.apply_claim(doc, "w1", "r1", NOW)
+    rules.claim(doc, "w1", "r1", NOW)
     later = NOW + timedelta(seconds=3)
-    assert rules.claimable_by(doc, "w2", later)
-    rules.apply_claim(doc, "w2", "r2", later)
+    assert rules.claimable(doc, "w2", later)
+    rules.claim(doc, "w2", "r2", later)
     assert [w[f.WORKER_ID] for w in doc[f.WORKERS]] == ["w2"] and doc[f.FAILURES] == 1
     assert doc[f.ATTEMPTS] == 2 and doc[f.WORKERS][0][f.ATTEMPT] == 2
 
@@ -137,10 +137,10 @@ def test_expired_leases_count_against_the_budget_before_claiming() -> None:
     """With max_failures=1 a task whose only run died is not run again: the next claim ends it FAIL
     and marks the dead run FAIL with a LeaseExpired error."""
     doc = doc_for(ping_interval=1, ping_timeout=2, max_failures=1)
-    rules.apply_claim(doc, "w1", "r1", NOW)
+    rules.claim(doc, "w1", "r1", NOW)
     later = NOW + timedelta(seconds=3)
-    assert rules.reapable(doc, later) and rules.claimable_by(doc, "w2", later)
-    rules.apply_claim(doc, "w2", "r2", later)
+    assert rules.reapable(doc, later) and rules.claimable(doc, "w2", later)
+    rules.claim(doc, "w2", "r2", later)
     [dead] = doc[f.WORKERS]  # kept as the FAIL record of the run that died, with the reason
     assert (dead[f.WORKER_ID], dead[f.RUN_ID], dead[f.STATE], dead[f.FINISHED_AT]) == (
         "w1",
@@ -155,7 +155,7 @@ def test_expired_leases_count_against_the_budget_before_claiming() -> None:
 def test_every_filter_field_has_an_index() -> None:
     """The claim filter's indexed fields lead the claim index (the hot path)."""
     claim_keys = [k for k, _ in f.INDEXES["claim"][0]]
-    filter_fields = [k for k in expressions.claim_filter("w") if not k.startswith("$")]
+    filter_fields = [k for k in expressions.claimable("w") if not k.startswith("$")]
     assert claim_keys[:2] == filter_fields[:2] == [f.STATE, f.CLAIMABLE_AT]
 
 

@@ -1,7 +1,22 @@
 """MongoDB filters and update pipelines that implement ``taskrunner.rules`` on the server.
 
-Every lease time is ``$$NOW``: the server's clock, never a worker's. Each write
-recomputes the summary fields in the same atomic update (``summary_stages``).
+Every lease time is ``$$NOW``: the server's clock, never a worker's. Each builder that
+reads the clock takes it as ``now`` (default ``$$NOW``, what the store sends; a test
+passes a date, the same one it gives the Python twin). Each write recomputes the summary
+fields in the same atomic update (``summarize``).
+
+The two modules are twins: each rule has one name in both. A predicate is an adjective
+and a write a verb or noun: ``rules.claimable(doc, worker_id, now)`` says whether the
+filter ``expressions.claimable(worker_id, now)`` matches ``doc``, and ``rules.claim(doc,
+worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(worker_id,
+run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
+``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
+``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
+``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
+``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+generated documents and compares (docs/design.md, "One set of rules, twice").
+``normalize`` is written here in two parts, ``normalize`` and its ``mark``.
+
 Expressions guard types with ``$type`` so MongoDB and look-alike servers agree
 on missing, null and wrong-typed fields; mongoeco lacks ``$not`` as an
 expression, hence ``{$eq: [expr, false]}``.
@@ -43,29 +58,53 @@ def count(cond: Expr) -> Expr:
     return {"$size": entries(cond)}
 
 
-def after_now(seconds_path: str) -> Expr:
-    """``$$NOW`` plus a duration stored in seconds at ``seconds_path``."""
-    return {"$add": [NOW, {"$multiply": [f.ref(seconds_path), 1000]}]}
+def after_now(seconds_path: str, now: Expr = NOW, otherwise: Expr = None) -> Expr:
+    """``now`` plus a duration stored in seconds at ``seconds_path``; ``otherwise`` when that
+    is not a number (``rules.after``)."""
+    later = {"$add": [now, {"$multiply": [f.ref(seconds_path), 1000]}]}
+    return {"$cond": [_is_number(seconds_path), later, otherwise]}
 
 
 IS_RUNNING: Expr = {"$eq": [_w(f.STATE), EntryState.RUNNING.value]}
 IS_SUCCESS: Expr = {"$eq": [_w(f.STATE), EntryState.SUCCESS.value]}
-IS_LIVE: Expr = {
-    "$and": [
-        IS_RUNNING,
-        {"$eq": [{"$type": _w(f.EXPIRES_AT)}, "date"]},
-        {"$gt": [_w(f.EXPIRES_AT), NOW]},
-    ]
-}
-# RUNNING and not IS_LIVE, spelled out so the running check is not evaluated twice.
-IS_EXPIRED: Expr = {
-    "$and": [
-        IS_RUNNING,
-        {"$or": [{"$ne": [{"$type": _w(f.EXPIRES_AT)}, "date"]}, {"$lte": [_w(f.EXPIRES_AT), NOW]}]},
-    ]
-}
+
+
+def is_live(now: Expr = NOW) -> Expr:
+    return {
+        "$and": [
+            IS_RUNNING,
+            {"$eq": [{"$type": _w(f.EXPIRES_AT)}, "date"]},
+            {"$gt": [_w(f.EXPIRES_AT), now]},
+        ]
+    }
+
+
+def is_expired(now: Expr = NOW) -> Expr:
+    """RUNNING and not ``is_live``, spelled out so the running check is not evaluated twice."""
+    return {
+        "$and": [
+            IS_RUNNING,
+            {"$or": [{"$ne": [{"$type": _w(f.EXPIRES_AT)}, "date"]}, {"$lte": [_w(f.EXPIRES_AT), now]}]},
+        ]
+    }
+
+
 CONCURRENCY = f.ref(f.opt(f.CONCURRENCY))
 MAX_FAILURES = f.ref(f.opt(f.MAX_FAILURES))
+
+
+def _missing(path: str) -> Expr:
+    return {"$eq": [{"$type": f.ref(path)}, "missing"]}
+
+
+def kept(path: str) -> Expr:
+    """The field as it is, for a branch of ``$cond`` or ``$switch``: removed when missing,
+    spelled out because the embedded server sets null where MongoDB sets nothing."""
+    return {"$cond": [_missing(path), "$$REMOVE", f.ref(path)]}
+
+
+RUN_AT: Expr = {"$ifNull": [f.ref(f.RUN_AT), None]}
+"""``run_at`` as a value to copy: null when missing (``doc.get`` in the rules)."""
 
 
 def _is_number(path: str) -> Expr:
@@ -80,13 +119,22 @@ def earliest(dates: str) -> Expr:
     }
 
 
-def finished_at() -> Expr:
-    """When the task reached a final state: kept once set, removed when it runs again."""
+def tally(path: str) -> Expr:
+    """``rules.tally``: the counter at ``path``, or 0 when it is not a number."""
+    return {"$cond": [_is_number(path), f.ref(path), 0]}
+
+
+def is_date(path: str) -> Expr:
+    return {"$eq": [{"$type": f.ref(path)}, "date"]}
+
+
+def finished_at(now: Expr = NOW) -> Expr:
+    """When the task reached a final state: kept once set (a date), removed when it runs again."""
     finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
-    return {"$cond": [finished, {"$ifNull": [f.ref(f.FINISHED_AT), NOW]}, "$$REMOVE"]}
+    return {"$cond": [finished, {"$cond": [is_date(f.FINISHED_AT), f.ref(f.FINISHED_AT), now]}, "$$REMOVE"]}
 
 
-def summary_stages() -> list[Expr]:
+def summarize(now: Expr = NOW) -> list[Expr]:
     """Recompute ``state``, ``claimable_at`` and ``updated_at`` (``rules.summarize``)."""
     succ, live = "$_tr_succ", "$_tr_live"
     state = {
@@ -106,7 +154,7 @@ def summary_stages() -> list[Expr]:
                     "case": {
                         "$or": [
                             _not(_is_number(f.opt(f.MAX_FAILURES))),
-                            {"$gte": [f.ref(f.FAILURES), MAX_FAILURES]},
+                            {"$gte": [tally(f.FAILURES), MAX_FAILURES]},
                         ]
                     },
                     "then": TaskState.FAIL.value,
@@ -119,27 +167,27 @@ def summary_stages() -> list[Expr]:
         "$switch": {
             "branches": [
                 {"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": "$$REMOVE"},
-                {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": f.ref(f.RUN_AT)},
+                {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": RUN_AT},
             ],
             # Slots are full: a slot frees when the earliest live lease expires.
             "default": {"$max": [f.ref(f.RUN_AT), earliest(f"{live}.{f.EXPIRES_AT}")]},
         }
     }
     return [
-        {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(IS_LIVE)}},
-        {"$set": {f.STATE: state, f.UPDATED_AT: NOW}},
-        {"$set": {f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: finished_at()}},
+        {"$set": {"_tr_succ": count(IS_SUCCESS), "_tr_live": entries(is_live(now))}},
+        {"$set": {f.STATE: state, f.UPDATED_AT: now}},
+        {"$set": {f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: finished_at(now)}},
         {"$unset": ["_tr_succ", "_tr_live"]},
     ]
 
 
-def claim_filter(worker_id: str) -> dict[str, Any]:
-    """Everything ``rules.claimable_by`` checks, evaluated by the server at ``$$NOW``.
+def claimable(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
+    """Everything ``rules.claimable`` checks, evaluated by the server at ``now``.
 
     Each count over the entries is computed once (``$let``): a look-alike server that
     interprets expressions pays per node, and MongoDB does less work too."""
     me = {"$literal": worker_id}
-    mine_active = {"$and": [{"$eq": [_w(f.WORKER_ID), me]}, {"$or": [IS_SUCCESS, IS_LIVE]}]}
+    mine_active = {"$and": [{"$eq": [_w(f.WORKER_ID), me]}, {"$or": [IS_SUCCESS, is_live(now)]}]}
     live, expired, succ = "$$live", "$$expired", "$$succ"
     claimable = {
         "$and": [
@@ -149,13 +197,18 @@ def claim_filter(worker_id: str) -> dict[str, Any]:
         ]
     }
     counts = {
-        "live": count(IS_LIVE),
-        "expired": count(IS_EXPIRED),
+        "live": count(is_live(now)),
+        "expired": count(is_expired(now)),
         "succ": count(IS_SUCCESS),
         "mine": count(mine_active),
     }
     check = {"$let": {"vars": counts, "in": {"$or": [claimable, reapable(live, expired)]}}}
-    return _due_for(worker_id, {"$in": list(ACTIVE)}, {"$type": "array"}, check)
+    return _due_for(worker_id, now, {"$in": list(ACTIVE)}, {"$type": "array"}, check)
+
+
+def numeric() -> list[Expr]:
+    """The counters a claim computes with are numbers (``rules.numbers`` is not None)."""
+    return [_is_number(f.FAILURES), _is_number(f.opt(f.CONCURRENCY)), _is_number(f.opt(f.MAX_FAILURES))]
 
 
 def _allowed(worker_id: str) -> list[dict[str, Any]]:
@@ -163,17 +216,20 @@ def _allowed(worker_id: str) -> list[dict[str, Any]]:
     return [{f.opt(f.WORKER_IDS): {"$size": 0}}, {f.opt(f.WORKER_IDS): worker_id}]
 
 
-def _due_for(worker_id: str, state: Any, workers: Any, *checks: Expr) -> dict[str, Any]:
+def _due_for(worker_id: str, now: Expr, state: Any, workers: Any, *checks: Expr) -> dict[str, Any]:
     """What every claim filter shares: ``state`` and ``workers`` predicates, claimable at
-    ``$$NOW``, allowed for the worker, numeric counters; then the filter's own ``checks``.
+    ``now``, allowed for the worker, numeric counters; then the filter's own ``checks``.
     State and claimable_at come first, as in the claim index."""
-    guards = [_is_number(f.FAILURES), _is_number(f.opt(f.CONCURRENCY)), _is_number(f.opt(f.MAX_FAILURES))]
     return {
         f.STATE: state,
         f.CLAIMABLE_AT: {"$type": "date"},
         f.WORKERS: workers,
         "$or": _allowed(worker_id),
-        "$expr": {"$and": [{"$lte": [f.ref(f.CLAIMABLE_AT), NOW]}, *guards, *checks]},
+        # The query's $type matches an array holding a date; this comparison would take any
+        # array as earlier than every date, so the type is checked here too.
+        "$expr": {
+            "$and": [is_date(f.CLAIMABLE_AT), {"$lte": [f.ref(f.CLAIMABLE_AT), now]}, *numeric(), *checks]
+        },
     }
 
 
@@ -189,71 +245,75 @@ def reapable(live: Expr, expired: Expr) -> Expr:
     }
 
 
-def new_entry(worker_id: str, run_id: str | Expr, attempt: Expr, took_over: Expr) -> dict[str, Expr]:
-    """The RUNNING entry a claim appends (``rules.new_entry``), stamped in server time."""
+def new_entry(
+    worker_id: str, run_id: str | Expr, attempt: Expr, took_over: Expr, now: Expr = NOW
+) -> dict[str, Expr]:
+    """The RUNNING entry a claim appends (``rules.new_entry``), stamped at ``now``."""
     run = {"$literal": run_id} if isinstance(run_id, str) else run_id
-    expires_at = after_now(f.opt(f.PING_TIMEOUT))
-    return rules.new_entry({"$literal": worker_id}, run, NOW, expires_at, attempt, took_over)
+    expires_at = after_now(f.opt(f.PING_TIMEOUT), now)
+    return rules.new_entry({"$literal": worker_id}, run, now, expires_at, attempt, took_over)
 
 
-def fresh_claim_filter(worker_id: str) -> dict[str, Any]:
-    """``claim_filter`` for the common case, a PENDING task with no entries yet: every
+def fresh_claimable(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
+    """``claimable`` for the common case, a PENDING task with no entries yet: every
     count is zero, so what is left is small (a look-alike server that interprets
     expressions claims such a task in a third of the time). Whatever it matches,
-    ``claim_filter`` matches too, and ``fresh_claim_update`` writes what ``claim_update`` would."""
-    checks = ({"$lt": [f.ref(f.FAILURES), MAX_FAILURES]}, {"$lt": [0, CONCURRENCY]})
-    return _due_for(worker_id, TaskState.PENDING.value, {"$size": 0}, *checks)
+    ``claimable`` matches too, and ``fresh_claim`` writes what ``claim`` would."""
+    # Not ``fatal`` (written by hand on a PENDING task): the general claim's summary ends such
+    # a task FAIL, which the small update does not work out.
+    checks = (
+        {"$lt": [f.ref(f.FAILURES), MAX_FAILURES]},
+        {"$lt": [0, CONCURRENCY]},
+        {"$ne": [f.ref(f.FATAL), True]},
+    )
+    return _due_for(worker_id, now, TaskState.PENDING.value, {"$size": 0}, *checks)
 
 
-def fresh_claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
-    """``claim_update`` plus ``summary_stages`` worked out for a task with no entries."""
-    attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
-    entry = new_entry(worker_id, run_id, attempts, [])
+def fresh_claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
+    """``claim`` plus ``summarize`` worked out for a task with no entries."""
+    attempts = {"$add": [tally(f.ATTEMPTS), 1]}
+    entry = new_entry(worker_id, run_id, attempts, [], now)
     one_slot_left = {"$lt": [1, CONCURRENCY]}
-    claimable_at = {
-        "$cond": [one_slot_left, f.ref(f.RUN_AT), {"$max": [f.ref(f.RUN_AT), entry[f.EXPIRES_AT]]}]
-    }
+    claimable_at = {"$cond": [one_slot_left, RUN_AT, {"$max": [f.ref(f.RUN_AT), entry[f.EXPIRES_AT]]}]}
     changes = {
         f.ATTEMPTS: attempts,
         f.WORKERS: [entry],
         f.STATE: TaskState.RUNNING.value,
-        f.UPDATED_AT: NOW,
+        f.UPDATED_AT: now,
         f.CLAIMABLE_AT: claimable_at,
         f.FINISHED_AT: "$$REMOVE",
     }
     return [{"$set": changes}]
 
 
-def claim_update(worker_id: str, run_id: str | Expr) -> list[Expr]:
+def claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
     """Drop expired leases (each spends a failure) and append this worker's entry, or
     none when the task is ``reapable`` (it then ends FAIL, its dead runs kept as FAIL
     entries with the ``LeaseExpired`` error). ``run_id`` is a token or
     an expression choosing one per document (``run_id_by_key``)."""
     expired = "$_tr_exp"
-    entry = new_entry(
-        worker_id, run_id, f.ref(f.ATTEMPTS), {"$map": {"input": expired, "as": "w", "in": _w(f.WORKER_ID)}}
-    )
-    attempts = {"$add": [{"$ifNull": [f.ref(f.ATTEMPTS), 0]}, 1]}
+    took_over = {"$map": {"input": expired, "as": "w", "in": _w(f.WORKER_ID)}}
+    entry = new_entry(worker_id, run_id, f.ref(f.ATTEMPTS), took_over, now)
+    attempts = {"$add": [tally(f.ATTEMPTS), 1]}
     reap = "$_tr_reap"
     # A reaped task keeps its dead runs as FAIL entries, so the document says why it failed.
-    dead = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": LEASE_EXPIRED}, f.FINISHED_AT: NOW}
-    ended = {"$map": {"input": expired, "as": "w", "in": {"$mergeObjects": [W, dead]}}}
+    dead = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": LEASE_EXPIRED}, f.FINISHED_AT: now}
+    # In place, so the entries keep the order of their claims.
+    ended = {"$cond": [is_expired(now), {"$mergeObjects": [W, dead]}, W]}
+    reaped = {"$map": {"input": WORKERS, "as": "w", "in": ended}}
+    claimed = {"$concatArrays": [entries(_not(is_expired(now))), [entry]]}
     return [
-        {"$set": {"_tr_exp": entries(IS_EXPIRED), "_tr_nlive": count(IS_LIVE)}},
+        {"$set": {"_tr_exp": entries(is_expired(now)), "_tr_nlive": count(is_live(now))}},
         {"$set": {"_tr_reap": reapable("$_tr_nlive", {"$size": expired})}},
         {
             "$set": {
                 f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
-                f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]},
+                f.ATTEMPTS: {"$cond": [reap, kept(f.ATTEMPTS), attempts]},
             }
         },
-        {
-            "$set": {
-                f.WORKERS: {"$concatArrays": [entries(_not(IS_EXPIRED)), {"$cond": [reap, ended, [entry]]}]}
-            }
-        },
+        {"$set": {f.WORKERS: {"$cond": [reap, reaped, claimed]}}},
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
-        *summary_stages(),
+        *summarize(now),
     ]
 
 
@@ -275,7 +335,7 @@ def run_id_by_key(keys: list[str], run_ids: list[str]) -> Expr:
     return {"$arrayElemAt": [{"$literal": run_ids}, position]}
 
 
-def due_filter(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
+def sweepable(worker_id: str, names: list[str], horizon: Any, state: str) -> dict[str, Any]:
     """``rules.sweepable`` for tasks in ``state`` (PENDING or RUNNING: the sweep reads each
     as its own range of the claim index, state then claimable_at). ``horizon`` is a date
     (the worker's estimate of server time plus how far ahead it looks): it bounds the
@@ -312,24 +372,22 @@ def due_pipeline(
     wait until the backlog drained. A limited name apart, because its tasks wait for its
     gate, not for a free worker: a backlog of it would fill every sweep and hide the other
     names' tasks, and another name's backlog would hide its tasks while its gates idle.
-    Last, at most ``limit`` unsettled documents of any name (``unsettled_filter``), which
+    Last, at most ``limit`` unsettled documents of any name (``unsettled``), which
     the worker normalizes."""
 
     def branch(state: str, of: list[str]) -> list[dict[str, Any]]:
-        match = due_filter(worker_id, of, horizon, state)
+        match = sweepable(worker_id, of, horizon, state)
         return [{"$match": match}, {"$sort": {f.CLAIMABLE_AT: 1}}, {"$limit": limit}]
 
     def union(pipeline: list[dict[str, Any]]) -> dict[str, Any]:
         return {"$unionWith": {"coll": collection, "pipeline": pipeline}}
 
-    together = [name for name in names if name not in apart]
-    groups = ([together] if together else []) + [[name] for name in names if name in apart]
-    pending = [union(branch(TaskState.PENDING.value, group)) for group in groups]
-    unsettled: list[dict[str, Any]] = [{"$match": unsettled_filter()}, {"$limit": limit}]
-    return [*branch(TaskState.RUNNING.value, names), *pending, union(unsettled)]
+    pending = [union(branch(TaskState.PENDING.value, group)) for group in rules.sweep_groups(names, apart)]
+    leftovers: list[dict[str, Any]] = [{"$match": unsettled()}, {"$limit": limit}]
+    return [*branch(TaskState.RUNNING.value, names), *pending, union(leftovers)]
 
 
-def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+def hears(names: list[str], owned: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """The ``$match`` of a worker's change stream: only changes that can give it work.
 
     New tasks of its names (inserts, and replacements, which carry the whole document)
@@ -348,7 +406,7 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     whole = [n for n in names if owned is None or n not in owned]
     if whole:
         inserts.append({**new, name: {"$in": whole}})
-    unrouted = {bucket: {"$not": {"$gte": 0, "$lt": f.BUCKETS}}}
+    unrouted = {bucket: {"$not": in_bucket_range()}}
     for buckets, group in _by_buckets(names, owned or {}):
         inserts.append({**new, name: {"$in": group}, "$or": [{bucket: {"$in": buckets}}, unrouted]})
     return {
@@ -364,6 +422,11 @@ def work_match(names: list[str], owned: Mapping[str, Sequence[int]] | None = Non
     }
 
 
+def in_bucket_range() -> dict[str, Any]:
+    """``rules.in_bucket_range``: a bucket number in ``[0, BUCKETS)``."""
+    return {"$gte": 0, "$lt": f.BUCKETS}
+
+
 def _by_buckets(names: list[str], owned: Mapping[str, Sequence[int]]) -> list[tuple[list[int], list[str]]]:
     """Names that own the same buckets, grouped, so the filter lists each bucket set once."""
     groups: dict[tuple[int, ...], list[str]] = {}
@@ -373,16 +436,16 @@ def _by_buckets(names: list[str], owned: Mapping[str, Sequence[int]]) -> list[tu
     return [(list(buckets), group) for buckets, group in groups.items()]
 
 
-def renewal_filter(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
+def renewable(key: str, run_id: str, worker_id: str) -> dict[str, Any]:
     """``rules.renewal_status`` is DONE: owned, not CANCELED, still allowed."""
     return {
-        **entry_filter(key, run_id),
+        **running_entry(key, run_id),
         f.STATE: {"$ne": TaskState.CANCELED.value},
         "$or": _allowed(worker_id),
     }
 
 
-def entry_filter(key: str, run_id: str) -> dict[str, Any]:
+def running_entry(key: str, run_id: str) -> dict[str, Any]:
     """The fencing filter: the run's entry must still be RUNNING under this run_id."""
     return {f.KEY: key, f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}}}
 
@@ -394,16 +457,16 @@ def update_entry(run_id: str, changes: dict[str, Expr]) -> Expr:
     return {"$set": {f.WORKERS: {"$map": {"input": WORKERS, "as": "w", "in": mapped}}}}
 
 
-def ping_update(run_id: str, progress: Any = None) -> list[Expr]:
-    changes: dict[str, Expr] = {f.PING_AT: NOW, f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT))}
+def ping(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
+    changes: dict[str, Expr] = {f.PING_AT: now, f.EXPIRES_AT: after_now(f.opt(f.PING_TIMEOUT), now)}
     if progress is not None:
         changes[f.PROGRESS] = {"$literal": progress}
-    return [update_entry(run_id, changes), *summary_stages()]
+    return [update_entry(run_id, changes), *summarize(now)]
 
 
-def success_update(run_id: str, result: Any) -> list[Expr]:
-    changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: NOW}
-    return [update_entry(run_id, changes), *summary_stages()]
+def succeed(run_id: str, result: Any, now: Expr = NOW) -> list[Expr]:
+    changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: now}
+    return [update_entry(run_id, changes), *summarize(now)]
 
 
 def storable_as_is(value: Any) -> bool:
@@ -418,143 +481,163 @@ def storable_as_is(value: Any) -> bool:
     return True
 
 
-def quick_success(key: str, run_id: str, result: Any) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """``success_update`` for the common case, as plain update operators (filter, update,
+def quick_succeed(
+    key: str, run_id: str, result: Any, now: datetime | None = None
+) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """``succeed`` for the common case, as plain update operators (filter, update,
     array filters): a RUNNING task with one slot. While the run's entry is RUNNING, one
     slot means it is the only live or successful entry, so the summary is known: SUCCESS,
     finished now, no ``claimable_at``. Any other case (canceled, several slots, a slot
     count edited by hand) matches nothing and takes the pipeline. Same fencing; half the
-    server's work on a look-alike that interprets pipelines."""
+    server's work on a look-alike that interprets pipelines. Times are the server's
+    (``$currentDate``), or ``now`` when given."""
     run = "run"
-    query = {**entry_filter(key, run_id), f.STATE: TaskState.RUNNING.value, f.opt(f.CONCURRENCY): 1}
+    # Not fatal and no finished_at (both written by hand on a RUNNING task): the summary
+    # would end it FAIL, or keep that finished_at.
+    one_slot = {
+        f.STATE: TaskState.RUNNING.value,
+        f.opt(f.CONCURRENCY): 1,
+        f.FATAL: {"$ne": True},
+        f.FINISHED_AT: {"$exists": False},
+    }
+    query = {**running_entry(key, run_id), **one_slot}
+    times = (f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}", f.FINISHED_AT, f.UPDATED_AT)
+    values = {
+        f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
+        f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
+        f.STATE: TaskState.SUCCESS.value,
+    }
+    stamp = {"$currentDate": dict.fromkeys(times, True)} if now is None else {}
     update = {
-        "$set": {
-            f"{f.WORKERS}.$[{run}].{f.STATE}": EntryState.SUCCESS.value,
-            f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
-            f.STATE: TaskState.SUCCESS.value,
-        },
-        "$currentDate": {
-            f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}": True,
-            f.FINISHED_AT: True,
-            f.UPDATED_AT: True,
-        },
+        "$set": values if now is None else values | dict.fromkeys(times, now),
+        **stamp,
         "$unset": {f.CLAIMABLE_AT: ""},
     }
     return query, update, [{f"{run}.{f.RUN_ID}": run_id}]
 
 
-def failure_update(
-    run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False
+def fail(
+    run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False, now: Expr = NOW
 ) -> list[Expr]:
-    """``rules.apply_failure``: a final failure sets ``fatal``; any other spends one
+    """``rules.fail``: a final failure sets ``fatal``; any other spends one
     failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``)."""
-    changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: NOW}
+    changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
     if final:
-        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summary_stages()]
-    later = after_now(f.opt(f.RETRY_BACKOFF)) if retry_in is None else {"$add": [NOW, retry_in * 1000]}
-    counters = {f.FAILURES: {"$add": [f.ref(f.FAILURES), 1]}, f.RUN_AT: {"$max": [f.ref(f.RUN_AT), later]}}
-    return [update_entry(run_id, changes), {"$set": counters}, *summary_stages()]
+        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now)]
+    later = (
+        after_now(f.opt(f.RETRY_BACKOFF), now, now) if retry_in is None else {"$add": [now, retry_in * 1000]}
+    )
+    counters = {f.FAILURES: {"$add": [tally(f.FAILURES), 1]}, f.RUN_AT: {"$max": [f.ref(f.RUN_AT), later]}}
+    return [update_entry(run_id, changes), {"$set": counters}, *summarize(now)]
 
 
-def snooze_update(run_id: str, seconds: float) -> list[Expr]:
-    """``rules.apply_snooze``: drop the run's entry, run again ``seconds`` from server now."""
+def snooze(run_id: str, seconds: float, now: Expr = NOW) -> list[Expr]:
+    """``rules.snooze``: drop the run's entry, run again ``seconds`` from server now."""
     keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
-    snoozes = {"$add": [{"$cond": [_is_number(f.SNOOZES), f.ref(f.SNOOZES), 0]}, 1]}
-    later = {"$add": [NOW, seconds * 1000]}
-    return [{"$set": {f.WORKERS: entries(keep), f.RUN_AT: later, f.SNOOZES: snoozes}}, *summary_stages()]
+    snoozes = {"$add": [tally(f.SNOOZES), 1]}
+    later = {"$add": [now, seconds * 1000]}
+    return [{"$set": {f.WORKERS: entries(keep), f.RUN_AT: later, f.SNOOZES: snoozes}}, *summarize(now)]
 
 
-def release_update(run_id: str) -> list[Expr]:
+def release(run_id: str, now: Expr = NOW) -> list[Expr]:
     keep = {"$ne": [_w(f.RUN_ID), {"$literal": run_id}]}
-    return [{"$set": {f.WORKERS: entries(keep)}}, *summary_stages()]
+    return [{"$set": {f.WORKERS: entries(keep)}}, *summarize(now)]
 
 
-def cancel_update() -> list[Expr]:
+def cancelable(key: str) -> dict[str, Any]:
+    """``rules.cancelable``: the task of ``key`` unless it ended SUCCESS or FAIL, which a
+    cancel leaves as it is (``updated_at`` included)."""
     done = {"$in": [f.ref(f.STATE), [TaskState.SUCCESS.value, TaskState.FAIL.value]]}
-    state = {"$cond": [done, f.ref(f.STATE), TaskState.CANCELED.value]}
-    return [{"$set": {f.STATE: state}}, *summary_stages()]
+    return {f.KEY: key, "$expr": _not(done)}
 
 
-def start_time(run_at: Any, delay: float | None) -> Expr:
-    """``rules.start_time``: the given ``run_at``, or server now plus ``delay`` seconds."""
+def cancel(now: Expr = NOW) -> list[Expr]:
+    """``rules.cancel`` under ``cancelable``."""
+    return [{"$set": {f.STATE: TaskState.CANCELED.value}}, *summarize(now)]
+
+
+def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
+    """``rules.start_time``: the given ``run_at``, or ``now`` plus ``delay`` seconds."""
     if run_at is not None:
         return run_at
-    return {"$add": [NOW, delay * 1000]} if delay else NOW
+    return {"$add": [now, delay * 1000]} if delay else now
 
 
-def _missing(path: str) -> Expr:
-    return {"$eq": [{"$type": f.ref(path)}, "missing"]}
-
-
-def publish_update(
-    new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool
+def publish(
+    new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool, now: Expr = NOW
 ) -> list[Expr]:
     """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option.
 
     An existing task that no option applies to is returned unchanged: no write.
     ``run_at`` is a datetime or ``$$NOW`` (server time).
     """
-    fresh = {
-        "$mergeObjects": [
-            {"$literal": new},
-            {f.CREATED_AT: NOW, f.UPDATED_AT: NOW, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at},
-        ]
-    }
-    # An upsert starts from {key}: no name and no created_at yet.
-    branches = [{"case": {"$and": [_missing(f.NAME), _missing(f.CREATED_AT)]}, "then": fresh}]
+    times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
+    # A document replaced keeps its _id (an upsert's seed has none yet: it gets new's).
+    fresh = {"$mergeObjects": [{"$literal": new}, times, {f.ID: {"$ifNull": [f.ref(f.ID), new[f.ID]]}}]}
+    seed = {"$lte": [{"$size": {"$objectToArray": "$$ROOT"}}, 2]}  # rules.is_seed
+    branches = [{"case": seed, "then": fresh}]
     if republish_finished:
-        finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
-        branches.append({"case": finished, "then": {"$mergeObjects": [fresh, {f.ID: f.ref(f.ID)}]}})
+        branches.append({"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": fresh})
+    stages: list[Expr] = []
     if update_pending:
-        branches.append({"case": _updatable(), "then": _pending_update(new, run_at)})
-    finished = {"$in": [f.ref(f.STATE), list(FINISHED)]}
-    drop_claimable = {"$cond": [finished, "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
-    return [
-        {"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}},
-        {"$set": {f.CLAIMABLE_AT: drop_claimable, f.FINISHED_AT: finished_at()}},
-    ]
+        branches.append({"case": updatable(), "then": pending_update(new, run_at, now)})
+        stages = pending_update_summary(now)
+    return [{"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}}, *stages]
 
 
-def _updatable() -> Expr:
+def updatable() -> Expr:
     """``rules.updatable``: PENDING, and no worker running it or done with it."""
     started = count({"$or": [IS_RUNNING, IS_SUCCESS]})
     return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
 
 
-def _pending_update(new: dict[str, Any], run_at: Any) -> Expr:
-    spent = {"$gte": [f.ref(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
+def pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
+    spent = {"$gte": [tally(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
     changes = {
         f.PARAMS: {"$literal": new[f.PARAMS]},
         f.PRIORITY: new[f.PRIORITY],
         f.OPTIONS: {"$literal": new[f.OPTIONS]},
         f.RUN_AT: run_at,
-        f.UPDATED_AT: NOW,
+        f.UPDATED_AT: now,
         f.STATE: {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]},
         f.CLAIMABLE_AT: run_at,
+        "_tr_updated": True,
     }
     return {"$mergeObjects": ["$$ROOT", changes]}
 
 
-def retry_filter(key: str) -> dict[str, Any]:
-    """``rules.apply_retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
-    return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(IS_LIVE), 0]}}
+def pending_update_summary(now: Expr) -> list[Expr]:
+    """After ``update_pending`` (and only then): a task whose spent budget ended it FAIL
+    loses ``claimable_at`` and gets its ``finished_at``; one left PENDING has none."""
+    updated = {"$eq": ["$_tr_updated", True]}
+    ended = {"$and": [updated, {"$eq": [f.ref(f.STATE), TaskState.FAIL.value]}]}
+    changes = {
+        f.CLAIMABLE_AT: {"$cond": [ended, "$$REMOVE", kept(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": [updated, finished_at(now), kept(f.FINISHED_AT)]},
+    }
+    return [{"$set": changes}, {"$unset": ["_tr_updated"]}]
 
 
-def retry_update() -> list[Expr]:
-    """``rules.apply_retry``; the filter limits it to FAIL and CANCELED tasks."""
+def retryable(key: str, now: Expr = NOW) -> dict[str, Any]:
+    """``rules.retry`` applies: FAIL or CANCELED, and no run still holds a live lease."""
+    return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(is_live(now)), 0]}}
+
+
+def retry(now: Expr = NOW) -> list[Expr]:
+    """``rules.retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
     recheck = {"$or": [{"$eq": [{"$type": f.ref(f.ERROR)}, "object"]}, *unreadable]}
-    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: NOW, "_tr_recheck": recheck}
+    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now, "_tr_recheck": recheck}
     # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
     again = {
         f.STATE: {"$cond": ["$_tr_recheck", TaskState.PENDING.value, f.ref(f.STATE)]},
-        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
-        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.FINISHED_AT)]},
+        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", kept(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", kept(f.FINISHED_AT)]},
     }
     return [
         {"$set": fresh},
         {"$unset": [f.FATAL, f.ERROR]},
-        *summary_stages(),
+        *summarize(now),
         {"$set": again},
         {"$unset": ["_tr_recheck"]},
     ]
@@ -581,7 +664,7 @@ def unsettled_branches() -> list[dict[str, Any]]:
     ]
 
 
-def unsettled_filter() -> dict[str, Any]:
+def unsettled() -> dict[str, Any]:
     """Documents a sweep hands to ``Store.normalize`` (``rules.unsettled``)."""
     return {"$or": unsettled_branches()}
 
@@ -591,12 +674,12 @@ def _if_missing(field: str, value: Expr) -> Expr:
     return {"$cond": [_missing(field), value, f.ref(field)]}
 
 
-def normalize_update(fill: dict[str, Any]) -> list[Expr]:
-    """``rules.apply_normalization`` without the mark: set each field of ``fill`` only if it
+def normalize(fill: dict[str, Any], now: Expr = NOW) -> list[Expr]:
+    """``rules.normalize`` without the mark: set each field of ``fill`` only if it
     is still missing when the write lands (a racing worker's write wins, unchanged), times
     in server time; options merged under those given; claimable_at from the run_at set."""
     stage: dict[str, Expr] = {
-        field: _if_missing(field, NOW if field in STAMPED else {"$literal": value})
+        field: _if_missing(field, now if field in STAMPED else {"$literal": value})
         for field, value in fill.items()
         if field not in (f.OPTIONS, f.CLAIMABLE_AT)
     }
@@ -604,7 +687,7 @@ def normalize_update(fill: dict[str, Any]) -> list[Expr]:
         given = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
         merged = {"$mergeObjects": [{"$literal": fill[f.OPTIONS]}, f.ref(f.OPTIONS)]}
         stage[f.OPTIONS] = {"$cond": [given, merged, _if_missing(f.OPTIONS, {"$literal": fill[f.OPTIONS]})]}
-    stages: list[Expr] = [{"$set": {**stage, f.UPDATED_AT: NOW}}]
+    stages: list[Expr] = [{"$set": {**stage, f.UPDATED_AT: now}}]
     if f.CLAIMABLE_AT in fill:
         unfinished = {"$and": [_missing(f.CLAIMABLE_AT), {"$in": [f.ref(f.STATE), list(ACTIVE)]}]}
         keep = {"$cond": [_missing(f.CLAIMABLE_AT), "$$REMOVE", f.ref(f.CLAIMABLE_AT)]}
@@ -612,10 +695,10 @@ def normalize_update(fill: dict[str, Any]) -> list[Expr]:
     return stages
 
 
-def mark_update(problem: str) -> list[Expr]:
-    """The mark of ``rules.apply_normalization``: FAIL, ``fatal``, the document's own error."""
+def mark(problem: str, now: Expr = NOW) -> list[Expr]:
+    """The mark of ``rules.normalize``: FAIL, ``fatal``, the document's own error."""
     mark = {f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: {"$literal": marked_error(problem)}}
-    return [{"$set": {**mark, f.FINISHED_AT: NOW, f.UPDATED_AT: NOW}}, {"$unset": [f.CLAIMABLE_AT]}]
+    return [{"$set": {**mark, f.FINISHED_AT: now, f.UPDATED_AT: now}}, {"$unset": [f.CLAIMABLE_AT]}]
 
 
 def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
@@ -626,13 +709,13 @@ def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
     return {**missing, "$expr": {"$and": present}} if present else missing
 
 
-def purge_filter(states: list[str], older_than_ms: float) -> dict[str, Any]:
+def purgeable(states: list[str], older_than_ms: float, now: Expr = NOW) -> dict[str, Any]:
     """Finished tasks in ``states`` whose ``finished_at`` is older than the cutoff (server time)."""
-    cutoff = {"$subtract": [NOW, older_than_ms]}
+    cutoff = {"$subtract": [now, older_than_ms]}
     return {
         f.STATE: {"$in": states},
         f.FINISHED_AT: {"$type": "date"},
-        "$expr": {"$lt": [f.ref(f.FINISHED_AT), cutoff]},
+        "$expr": {"$and": [is_date(f.FINISHED_AT), {"$lt": [f.ref(f.FINISHED_AT), cutoff]}]},
     }
 
 
@@ -691,30 +774,30 @@ def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
     ]
 
 
-def throttle_update(seconds: float) -> list[Expr]:
+def throttle_update(seconds: float, now: Expr = NOW) -> list[Expr]:
     """``throttled_until`` at least server now plus ``seconds`` (``RateLimited``)."""
-    until = {"$add": [NOW, seconds * 1000]}
+    until = {"$add": [now, seconds * 1000]}
     is_date = {"$eq": [{"$type": f.ref(f.THROTTLED_UNTIL)}, "date"]}
     current = {"$cond": [is_date, f.ref(f.THROTTLED_UNTIL), until]}
-    return [{"$set": {f.THROTTLED_UNTIL: {"$max": [current, until]}, f.UPDATED_AT: NOW}}]
+    return [{"$set": {f.THROTTLED_UNTIL: {"$max": [current, until]}, f.UPDATED_AT: now}}]
 
 
-def throttle_gate_update(gate: str, seconds: float) -> list[Expr]:
+def throttle_gate_update(gate: str, seconds: float, now: Expr = NOW) -> list[Expr]:
     """``throttled_gates`` keeps the other gates' live throttles and holds ``gate`` until
     at least server now plus ``seconds``."""
     listed = {"$cond": [{"$isArray": f.ref(f.THROTTLED_GATES)}, f.ref(f.THROTTLED_GATES), []]}
-    until = {"$add": [NOW, seconds * 1000]}
+    until = {"$add": [now, seconds * 1000]}
     this, other = ({op: [f"$$t.{f.GATE}", {"$literal": gate}]} for op in ("$eq", "$ne"))
-    live = {"$gt": [f"$$t.{f.UNTIL}", NOW]}
+    live = {"$gt": [f"$$t.{f.UNTIL}", now]}
     others = {"$filter": {"input": listed, "as": "t", "cond": {"$and": [other, live]}}}
     same = {"$filter": {"input": listed, "as": "t", "cond": this}}
     longest = {
         "$reduce": {"input": same, "initialValue": until, "in": {"$max": ["$$value", f"$$this.{f.UNTIL}"]}}
     }
     entry = {f.GATE: {"$literal": gate}, f.UNTIL: longest}
-    return [{"$set": {f.THROTTLED_GATES: {"$concatArrays": [others, [entry]]}, f.UPDATED_AT: NOW}}]
+    return [{"$set": {f.THROTTLED_GATES: {"$concatArrays": [others, [entry]]}, f.UPDATED_AT: now}}]
 
 
-def window_filter(start: datetime, end: datetime) -> dict[str, Any]:
-    """Matches only while the server's clock is in ``[start, end]`` (a gate's permit)."""
-    return {"$expr": {"$and": [{"$gte": [NOW, start]}, {"$lte": [NOW, end]}]}}
+def window_filter(start: datetime, end: datetime, now: Expr = NOW) -> dict[str, Any]:
+    """Matches only while the clock (``now``) is in ``[start, end]`` (a gate's permit)."""
+    return {"$expr": {"$and": [{"$gte": [now, start]}, {"$lte": [now, end]}]}}

@@ -165,13 +165,13 @@ class MemoryStore:
         self, task: NewTask, publish_id: str, update_pending: bool, republish_finished: bool
     ) -> Task:
         now, doc = self._clock(), self._docs.get(task.key)
-        if doc is None or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
+        if doc is None or rules.is_seed(doc) or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
             fresh = self._fresh(task, publish_id, now, doc)
             self._docs[task.key] = fresh
             self._emit("insert" if doc is None else "replace", fresh)
             return self._task(fresh, created=True)
         if update_pending and rules.updatable(doc):
-            rules.apply_publish_update(doc, task, now)
+            rules.pending_update(doc, task, now)
             self._emit("update", doc)
         return self._task(doc)
 
@@ -242,13 +242,13 @@ class MemoryStore:
     ) -> Page:
         docs = sorted(
             (d for d in self._docs.values() if rules.sweepable(d, worker_id, names, horizon)),
-            key=lambda d: d[f.CLAIMABLE_AT],
+            key=rules.sweep_order,
         )
-        running = [d for d in docs if d[f.STATE] == TaskState.RUNNING.value][:limit]
-        waiting = [d for d in docs if d[f.STATE] == TaskState.PENDING.value]
-        pending = [d for d in waiting if d[f.NAME] not in apart][:limit]
-        for name in (n for n in names if n in apart):
-            pending += [d for d in waiting if d[f.NAME] == name][:limit]
+        running = [d for d in docs if rules.is_one_of(d.get(f.STATE), (TaskState.RUNNING.value,))][:limit]
+        waiting = [d for d in docs if rules.is_one_of(d.get(f.STATE), (TaskState.PENDING.value,))]
+        pending: list[Doc] = []
+        for group in rules.sweep_groups(names, apart):
+            pending += [d for d in waiting if rules.is_one_of(d.get(f.NAME), group)][:limit]
         unsettled = [d for d in self._docs.values() if rules.unsettled(d)][:limit]
         return due_page([_clone(d) for d in running + pending + unsettled], limit, apart)
 
@@ -276,13 +276,13 @@ class MemoryStore:
             if (key is None or d.get(f.KEY) == key)
             and (names is None or d.get(f.NAME) in names)
             and (not fresh or rules.fresh(d))
-            and rules.claimable_by(d, worker_id, now)
+            and rules.claimable(d, worker_id, now)
         ]
         if not eligible:
             return None
         doc = min(eligible, key=rules.claim_order)
         run_id = uuid.uuid4().hex
-        rules.apply_claim(doc, worker_id, run_id, now)
+        rules.claim(doc, worker_id, run_id, now)
         self._emit("update", doc)
         if rules.running_entry(doc, run_id) is None:
             return None  # the task's dead leases spent its budget: it was ended, not claimed
@@ -291,7 +291,7 @@ class MemoryStore:
         except MalformedTask as exc:
             # Record the unreadable document as this run's failure, so it cannot loop.
             error = TaskError(type="MalformedTask", message=str(exc)).model_dump()
-            rules.apply_failure(doc, rules.running_entry(doc, run_id) or {}, error, now, final=True)
+            rules.fail(doc, rules.running_entry(doc, run_id) or {}, error, now, final=True)
             self._emit("update", doc)
             raise
 
@@ -345,14 +345,14 @@ class MemoryStore:
             if status is not RunStatus.DONE:
                 return status
             assert doc is not None and entry is not None
-            rules.apply_ping(doc, entry, now, value)
+            rules.ping(doc, entry, now, value)
         elif doc is None or entry is None:
             state = EntryState.SUCCESS if write.kind == "success" else EntryState.FAIL
             return rules.outcome_status(doc, write.run_id, state)
         elif write.kind == "success":
-            rules.apply_success(doc, entry, value, now)
+            rules.succeed(doc, entry, value, now)
         else:
-            rules.apply_failure(doc, entry, value.error.model_dump(), now, value.retry_in, value.final)
+            rules.fail(doc, entry, value.error.model_dump(), now, value.retry_in, value.final)
         self._emit("update", doc)
         return RunStatus.DONE
 
@@ -366,10 +366,10 @@ class MemoryStore:
         return self._task(doc)
 
     async def release(self, key: str, run_id: str) -> Task:
-        return self._run_write(key, run_id, rules.apply_release)
+        return self._run_write(key, run_id, rules.release)
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
-        return self._run_write(key, run_id, lambda d, e, now: rules.apply_snooze(d, e, now, seconds))
+        return self._run_write(key, run_id, lambda d, e, now: rules.snooze(d, e, now, seconds))
 
     async def normalize(self, key: str) -> Task:
         doc = self._docs.get(key)
@@ -378,7 +378,7 @@ class MemoryStore:
         now = self._clock()
         fill, problem = rules.verdict(doc, now)
         if (fill or problem) and not (problem and rules.is_marked(doc)):
-            rules.apply_normalization(doc, fill, problem, now)
+            rules.normalize(doc, fill, problem, now)
             self._emit("update", doc)
         return self._task(doc)
 
@@ -386,9 +386,9 @@ class MemoryStore:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
-        if doc.get(f.STATE) in (TaskState.SUCCESS.value, TaskState.FAIL.value):
+        if not rules.cancelable(doc):
             raise InvalidState(key, doc[f.STATE], "cancel", "PENDING or RUNNING")
-        rules.apply_cancel(doc, self._clock())
+        rules.cancel(doc, self._clock())
         self._emit("update", doc)
         return self._task(doc)
 
@@ -397,10 +397,9 @@ class MemoryStore:
         if doc is None:
             raise TaskNotFound(key)
         now = self._clock()
-        running = rules.still_running(doc, now)
-        if doc.get(f.STATE) not in rules.RETRYABLE or running:
-            raise rules.retry_refused(key, str(doc.get(f.STATE)), running)
-        rules.apply_retry(doc, now)
+        if not rules.retryable(doc, now):
+            raise rules.retry_refused(key, str(doc.get(f.STATE)), rules.still_running(doc, now))
+        rules.retry(doc, now)
         self._emit("update", doc)
         return self._task(doc)
 
@@ -774,7 +773,7 @@ class _MemoryChangeStream:
         return None
 
     def _wanted(self, kind: EventKind, key: str | None, doc: Doc | None, changed: Doc | None) -> bool:
-        if self._work_for is not None:  # the worker's stream (expressions.work_match)
+        if self._work_for is not None:  # the worker's stream (expressions.hears)
             if kind in ("insert", "replace"):
                 return doc is not None and rules.hears_insert(doc, self._work_for, self._owned)
             return kind == "update" and changed is not None and rules.wakes(changed)

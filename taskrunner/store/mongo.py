@@ -276,9 +276,7 @@ class MongoStore:
     ) -> tuple[Doc, list[Any]]:
         new = {f.ID: bson.ObjectId(), **rules.new_document(task, publish_id)}
         run_at = x.start_time(task.run_at, task.delay)
-        update = x.publish_update(
-            new, run_at, update_pending=update_pending, republish_finished=republish_finished
-        )
+        update = x.publish(new, run_at, update_pending=update_pending, republish_finished=republish_finished)
         return {f.KEY: task.key}, update
 
     async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]]) -> None:
@@ -399,8 +397,8 @@ class MongoStore:
         # One command either way: a fresh claim is the small update (a third of the
         # server's work on a look-alike that interprets expressions), never followed by the
         # general one when it misses: a miss means the task changed, and the caller looks again.
-        query = x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)
-        update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
+        query = x.fresh_claimable(worker_id) if fresh else x.claimable(worker_id)
+        update = x.fresh_claim(worker_id, run_id) if fresh else x.claim(worker_id, run_id)
         keys = None if key is None else [key]
         try:
             with mapped_errors():
@@ -435,14 +433,14 @@ class MongoStore:
         run_ids = [uuid.uuid4().hex for _ in keys]
         run_id = x.run_id_by_key(keys, run_ids)
         query = {
-            **(x.fresh_claim_filter(worker_id) if fresh else x.claim_filter(worker_id)),
+            **(x.fresh_claimable(worker_id) if fresh else x.claimable(worker_id)),
             f.KEY: {"$in": keys},
         }
         if names is not None:
             query[f.NAME] = {"$in": list(names)}
         if window is not None:
             query["$and"] = [x.window_filter(*window)]
-        update = x.fresh_claim_update(worker_id, run_id) if fresh else x.claim_update(worker_id, run_id)
+        update = x.fresh_claim(worker_id, run_id) if fresh else x.claim(worker_id, run_id)
         if not keys:
             return Claimed([], [])
         try:
@@ -520,19 +518,17 @@ class MongoStore:
     @staticmethod
     def _run_op(write: RunWrite, quick: bool = False) -> UpdateOne:
         if quick:
-            query, plain, array_filters = x.quick_success(write.key, write.run_id, write.value)
+            query, plain, array_filters = x.quick_succeed(write.key, write.run_id, write.value)
             return UpdateOne(query, plain, array_filters=array_filters)
         if write.kind == "ping":
-            filter_ = x.renewal_filter(write.key, write.run_id, write.worker_id)
-            return UpdateOne(filter_, x.ping_update(write.run_id, write.value))
+            filter_ = x.renewable(write.key, write.run_id, write.worker_id)
+            return UpdateOne(filter_, x.ping(write.run_id, write.value))
         if write.kind == "success":
-            update = x.success_update(write.run_id, write.value)
+            update = x.succeed(write.run_id, write.value)
         else:
             failure: Failure = write.value
-            update = x.failure_update(
-                write.run_id, failure.error.model_dump(), failure.retry_in, failure.final
-            )
-        return UpdateOne(x.entry_filter(write.key, write.run_id), update)
+            update = x.fail(write.run_id, failure.error.model_dump(), failure.retry_in, failure.final)
+        return UpdateOne(x.running_entry(write.key, write.run_id), update)
 
     async def _resolve(
         self, writes: Sequence[RunWrite], matched: int, errors: dict[int, StoreError]
@@ -579,13 +575,13 @@ class MongoStore:
             f.WORKERS: {"$elemMatch": {f.RUN_ID: run_id, f.STATE: EntryState.RUNNING.value}},
         }
         with mapped_errors():
-            await self.collection.update_one(fence, x.failure_update(run_id, error, final=True))
+            await self.collection.update_one(fence, x.fail(run_id, error, final=True))
 
     async def _run_write(self, key: str, run_id: str, update: list[Any]) -> Task:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    x.entry_filter(key, run_id), update, return_document=ReturnDocument.AFTER
+                    x.running_entry(key, run_id), update, return_document=ReturnDocument.AFTER
                 )
             )
         if doc is None:
@@ -593,10 +589,10 @@ class MongoStore:
         return self._task(doc)
 
     async def release(self, key: str, run_id: str) -> Task:
-        return await self._run_write(key, run_id, x.release_update(run_id))
+        return await self._run_write(key, run_id, x.release(run_id))
 
     async def snooze(self, key: str, run_id: str, seconds: float) -> Task:
-        return await self._run_write(key, run_id, x.snooze_update(run_id, seconds))
+        return await self._run_write(key, run_id, x.snooze(run_id, seconds))
 
     async def normalize(self, key: str) -> Task:
         with mapped_errors():
@@ -607,10 +603,10 @@ class MongoStore:
         fill, problem = rules.verdict(doc, datetime.now(UTC))
         if not (fill or problem) or (problem and rules.is_marked(doc)):
             return self._task(doc)
-        update = x.normalize_update(fill) if fill else []
+        update = x.normalize(fill) if fill else []
         guard: Doc = {f.ID: doc[f.ID]}
         if problem is not None:
-            update += x.mark_update(problem.problem)
+            update += x.mark(problem.problem)
             guard |= x.unchanged(doc, sorted({f.STATE, problem.field.split(".")[0]} - {""}))
         with mapped_errors():
             after = _decoded(
@@ -625,21 +621,19 @@ class MongoStore:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    {f.KEY: key}, x.cancel_update(), return_document=ReturnDocument.AFTER
+                    x.cancelable(key), x.cancel(), return_document=ReturnDocument.AFTER
                 )
             )
         if doc is None:
-            raise TaskNotFound(key)
-        task = self._task(doc)
-        if task.state is not TaskState.CANCELED:
-            raise InvalidState(key, task.state.value, "cancel", "PENDING or RUNNING")
-        return task
+            finished = await self.get(key)  # raises TaskNotFound
+            raise InvalidState(key, finished.state.value, "cancel", "PENDING or RUNNING")
+        return self._task(doc)
 
     async def retry(self, key: str) -> Task:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    x.retry_filter(key), x.retry_update(), return_document=ReturnDocument.AFTER
+                    x.retryable(key), x.retry(), return_document=ReturnDocument.AFTER
                 )
             )
         if doc is None:
@@ -650,7 +644,7 @@ class MongoStore:
         return self._task(doc)
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
-        query = x.purge_filter([s.value for s in states], older_than * 1000)
+        query = x.purgeable([s.value for s in states], older_than * 1000)
         with mapped_errors():
             if dry_run:
                 return await self.collection.count_documents(query)
@@ -893,7 +887,7 @@ class MongoStore:
             # A worker's stream: filtered by the server, no post-image lookups; it waits
             # long per getMore because an idle worker need not ask often.
             options: Doc = {"max_await_time_ms": _WORK_AWAIT_MS}
-            pipeline = [{"$match": x.work_match(list(work_for), owned)}]
+            pipeline = [{"$match": x.hears(list(work_for), owned)}]
         elif summary:
             options, pipeline, read = {"max_await_time_ms": _AWAIT_MS}, _SUMMARY_PIPELINE, _summary_event
         else:
