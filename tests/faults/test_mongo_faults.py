@@ -267,7 +267,10 @@ async def test_a_stepdown_loses_nothing_and_pickup_resumes_at_once(fleet: Fleet)
     assert set(long) <= set(in_flight)
     assert pickup <= PICKUP
     assert max(exits) <= SIGTERM_EXIT
-    lines_per_outage(fleet, 1)
+    noisy = lines_per_outage(fleet, 1)
+    # Each worker holding a long run had its renewals refused (one every 5 s) and said so once.
+    holders = {m["worker_id"] for m in marks if m["event"] == "start" and m["key"] in long}
+    assert all(noisy[w]["ping failed; retrying"] == 1 for w in holders), noisy
 
 
 # -- lost replies --------------------------------------------------------------------------------------
