@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, monitoring
 from pymongo import errors as pe
 from workers import WorkerPool, WorkerProcess
 
 from taskrunner import TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
+from taskrunner.errors import StoreUnavailable
+from taskrunner.store.base import RunStatus, RunWrite
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
@@ -73,6 +75,78 @@ async def test_claims_whose_replies_are_lost_are_read_back_and_say_so(
     assert sorted((c.task.key, c.recovered) for c in batch.claims) == [("a", True), ("b", True), ("c", True)]
     assert single is not None and (single.task.key, single.recovered) == ("d", True)
     assert plain is not None and (plain.task.key, plain.recovered) == ("e", False)
+
+
+class Writes(monitoring.CommandListener):
+    """Records every write command sent, so a test can see whether it carried a txnNumber."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bool]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in ("findAndModify", "update"):
+            self.sent.append((event.command_name, "txnNumber" in event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+async def test_right_after_a_stepdown_lost_replies_of_unretried_writes_are_recovered(
+    own_server: EmbeddedServer, collection_name: str
+) -> None:
+    """Right after a stepdown a driver that saw the server as a secondary keeps it so until
+    its next check and sends writes without a txnNumber: a lost reply is not retried. An
+    outcome written again after its lost reply finds it landed (DONE, written once), and a
+    claim is read back by its run id (``recovered``)."""
+    await fault(own_server.uri, "off")
+    async with TaskRunner(own_server.uri, collection=collection_name) as runner:
+        await runner.init()
+        await runner.publish_many([{"name": "job", "key": k} for k in "abc"], allow_unknown=True)
+    # No heartbeat during the test: only a failed command makes a driver check the server.
+    uri = f"{own_server.uri}&heartbeatFrequencyMS=600000"
+    finishing, claiming = Writes(), Writes()
+    stores = [
+        MongoStore.connect(uri, collection=collection_name, event_listeners=[w])
+        for w in (finishing, claiming)
+    ]
+    finisher, claimer = stores
+    try:
+        running = await finisher.claim("w1", key="b")
+        assert running is not None
+        # Long enough that each driver's checks while its refused claim waits (every 0.5 s)
+        # end before the stepdown does: each then holds the server for a secondary.
+        await fault(own_server.uri, "stepDown", seconds=5)
+        for store in stores:
+            assert await store.claim("w1", key="a") is None  # refused: nothing landed
+        await wait_for(lambda: primary(own_server.uri), 30, "the stepdown to end")
+        finishing.sent.clear()
+        claiming.sent.clear()
+        await fault(own_server.uri, "loseReplies", every=1, commands=["findAndModify", "update"])
+        outcome = RunWrite("success", "b", running.run_id, "w1", {"n": 1})
+        with pytest.raises(StoreUnavailable):
+            await finisher.write_runs([outcome])
+        claim = await claimer.claim("w2", key="c")
+        await fault(own_server.uri, "off")
+        assert await finisher.write_runs([outcome]) == [RunStatus.DONE]
+        finished = await finisher.get("b")
+    finally:
+        await fault(own_server.uri, "off")
+        for store in stores:
+            await store.close()
+    # Each sent once, without a txnNumber: the driver did not retry it.
+    assert (finishing.sent[0], claiming.sent[0]) == (("update", False), ("findAndModify", False))
+    assert (finished.state, finished.results, finished.failures) == (TaskState.SUCCESS, [{"n": 1}], 0)
+    assert claim is not None and (claim.task.key, claim.recovered) == ("c", True)
+
+
+async def primary(uri: str) -> bool:
+    client: AsyncMongoClient[dict[str, Any]]
+    async with AsyncMongoClient(uri) as client:
+        hello = await client.admin.command("hello")
+    return bool(hello.get("isWritablePrimary"))
 
 
 async def started(*workers: WorkerProcess) -> None:
