@@ -7,14 +7,19 @@ invalidate event, and the store's ``next`` raises ``ChangeStreamEnded``. Every c
 dashboard's hub) then does the same: it opens a new stream *without* the old resume token
 (MongoDB refuses to resume after an invalidate, error 260), reads again what it follows to
 cover the gap, and logs ``change stream ended`` once, with the reason. A new stream that
-ends again before one of its getMores came back is a stream that cannot be followed: the
-consumer polls instead, as on a server without change streams, and retries the stream with
-capped backoff (``taskrunner.outage.Outage``: one warning when that starts).
+ends again within ``MIN_LIFE`` of being opened, before one of its getMores came back, is a
+stream that cannot be followed: the consumer polls instead, as on a server without change
+streams, and retries the stream with capped backoff (``taskrunner.outage.Outage``: one
+warning when that starts). A reopened stream that lived longer was following: its getMore
+waits seconds for events, and the server may end it meanwhile (another drop, a rename),
+which is one more end, logged and reopened like the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from taskrunner.errors import ChangeStreamEnded
@@ -23,25 +28,35 @@ if TYPE_CHECKING:
     from taskrunner.store.base import ChangeEvent, ChangeStream
 
 ENDED = "change stream ended"
+MIN_LIFE = 1.0
+"""Seconds a reopened stream must live for its end to be an end rather than a failure:
+reopening at most once a second is no spin, and a server's end comes at any time."""
 
 
 class StreamEnds:
     """One consumer's stream ends: ``ended`` logs one line per end and says whether to reopen
     at once; ``worked`` records that the stream answered (a getMore came back)."""
 
-    def __init__(self, log: Any, stream: str, **fields: Any) -> None:
-        self.log, self.fields = log, {"stream": stream, **fields}
+    def __init__(
+        self, log: Any, stream: str, *, clock: Callable[[], float] = time.monotonic, **fields: Any
+    ) -> None:
+        self.log, self.fields, self._clock = log, {"stream": stream, **fields}, clock
         self._answered = True  # the first stream counts as having answered: its end is an end
+        self._reopened: float | None = None  # when ``ended`` last said to reopen at once
 
     def worked(self) -> None:
         self._answered = True
 
     def ended(self, exc: ChangeStreamEnded) -> bool:
         """True: logged, reopen now. False: the stream reopened after the last end ended
-        before answering once; treat it as failing (poll, retry with backoff) unlogged here."""
-        if not self._answered:
+        before answering once and within ``MIN_LIFE``, or was retried after such a failure
+        and has not answered; treat it as failing (poll, retry with backoff) unlogged here."""
+        now = self._clock()
+        lived = self._reopened is not None and now - self._reopened >= MIN_LIFE
+        if not (self._answered or lived):
+            self._reopened = None  # a retry after polling is judged by its answers alone
             return False
-        self._answered = False
+        self._answered, self._reopened = False, now
         self.log.warning(ENDED, reason=exc.reason, **self.fields)
         return True
 

@@ -76,6 +76,7 @@ SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
 BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
 DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
 DRAIN_SLACK = 1.0  # draining, tasks due within this many seconds count as claimable now
+RECOVERED = "claims recovered after a lost reply"
 
 
 def _hash(token: str, worker_id: str) -> bytes:
@@ -515,6 +516,7 @@ class Worker:
                 self._claimed_none(due[:1])
             return []
         self._claimed([claim])
+        self._read_back([claim])
         return [claim]
 
     async def _claim_batch(self, due: list[Due]) -> list[Claim]:
@@ -543,6 +545,7 @@ class Worker:
             await asyncio.sleep(self._claims.failed(exc))
             return None
         self._claims.ok()
+        self._read_back(claimed.claims)
         for problem in claimed.rejected:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
         won = {c.task.key for c in claimed.claims}
@@ -551,6 +554,13 @@ class Worker:
             self._claimed_none(missed)
         self._claimed(claimed.claims)
         return claimed
+
+    def _read_back(self, claims: list[Claim]) -> None:
+        """One line for a claim whose reply was lost and whose landed claims were read back
+        at once by their run ids (``Claim.recovered``): they run like any other."""
+        keys = [claim.task.key for claim in claims if claim.recovered]
+        if keys:
+            self.log.warning(RECOVERED, running=keys, released=[], unreadable=0)
 
     def _lost(self, exc: StoreError) -> None:
         """A claim failed: if it may have landed, its run ids are kept to recover it."""
@@ -584,7 +594,7 @@ class Worker:
             except StoreError as exc:
                 self.log.warning("could not give back a recovered claim", key=claim.task.key, error=str(exc))
         self.log.warning(
-            "claims recovered after a lost reply",
+            RECOVERED,
             running=[c.task.key for c in runs],
             released=[c.task.key for c in back],
             unreadable=len(claimed.rejected),

@@ -368,3 +368,24 @@ def test_embedded_inserts_smoke(tmp_path: Path) -> None:
     assert result["config"] == {"batch": 100}
     assert set(result["seconds_per_1000"]) == set(result["ratio_to_first"]) == {"200", "1000"}
     assert result["ratio_to_first"]["200"] == 1.0
+
+
+def test_faults_smoke(tmp_path: Path) -> None:
+    """``faults.py --smoke`` runs each fault scenario once, small, and records one line per
+    scenario: every task SUCCESS, no failure counted, a pickup recovery time and exit time."""
+    results = tmp_path / "results.jsonl"
+    last = run_bench("faults.py", "--smoke", results=results, timeout=240)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert lines[-1] == last
+    assert [line["config"]["scenario"] for line in lines] == ["ends", "stepdown", "lose"]
+    for line in lines:
+        assert line["bench"] == "faults" and line["smoke"] is True and line["rounds"] == 1
+        assert line["success"] == 12 + 4 + 1  # the backlog, the long tasks, the probe
+        assert (line["fail"], line["unfinished"], line["failures_counted"], line["claimed_twice"]) == (
+            0,
+            0,
+            0,
+            0,
+        )
+        assert line["recovery_median_s"] == line["recovery_s"][0] >= 0
+        assert line["exit_max_s"] > 0

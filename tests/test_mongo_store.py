@@ -305,6 +305,35 @@ async def test_a_worker_runs_claims_whose_reply_was_lost_without_spending_budget
     assert [(t.failures, t.attempts, len(t.workers)) for t in tasks] == [(0, 1, 1)] * 6
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+async def test_a_worker_says_which_claims_it_read_back_after_a_lost_reply(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Claims whose reply was lost, read back at once by their run ids, run like any other
+    (once, no failure counted), and the worker logs one ``claims recovered after a lost
+    reply`` line per lost reply, naming them."""
+    await store.publish(new(*(f"t{i}" for i in range(6)), max_failures=1))
+    runner, ran = TaskRunner(store=store), Counter[str]()
+
+    @runner.task("job")
+    async def job(params: dict[str, Any], ctx: TaskContext) -> None:
+        ran[ctx.key] += 1
+
+    faults = LostReplies(store, monkeypatch, writes=2)
+    worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
+
+    async def all_done() -> bool:
+        return await store.count(state=TaskState.SUCCESS) == 6
+
+    with capture_logs() as logs:
+        await run_worker_until(worker, all_done)
+    recovered = [e for e in logs if e["event"] == "claims recovered after a lost reply"]
+    assert faults.lost == 2 and ran == {f"t{i}": 1 for i in range(6)}
+    assert len(recovered) == 2 and all(e["running"] for e in recovered), recovered
+    tasks = await store.find()
+    assert [(t.failures, t.attempts, len(t.workers)) for t in tasks] == [(0, 1, 1)] * 6
+
+
 async def run_worker_until(
     worker: Worker, condition: Callable[[], Awaitable[bool]], within: float = 30.0
 ) -> None:

@@ -31,10 +31,12 @@ RunWriteKind = Literal["ping", "success", "failure"]
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A successful claim: the task as written and the run's fencing token."""
+    """A successful claim: the task as written and the run's fencing token; ``recovered``
+    when the claim's reply was lost and what it landed was read back by its run id."""
 
     task: Task
     run_id: str
+    recovered: bool = False
 
     @property
     def entry(self) -> WorkerEntry:
@@ -320,8 +322,9 @@ class Store(Protocol):
         RUNNING entry, read through the key index (``keys``) or, for a claim without a key,
         the worker index. A claim whose reply was lost (a network error after the server
         applied it) is found so, and run or released: its lease never expires unowned, so
-        the fault spends no failure budget. ``claim`` and ``claim_many`` recover at once;
-        when that read fails too they raise ``ClaimUnconfirmed`` for a later ``recover``."""
+        the fault spends no failure budget. ``claim`` and ``claim_many`` recover at once
+        (their claims then say ``recovered``, so the worker can tell); when that read fails
+        too they raise ``ClaimUnconfirmed`` for a later ``recover``."""
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         """Apply many runs' fenced writes in one round trip; one result per write.

@@ -459,11 +459,13 @@ class MongoStore:
         self, worker_id: str, run_ids: list[str], keys: list[str] | None, exc: StoreUnavailable
     ) -> Claimed:
         """After a claim's transport error: what landed, read at once (a lost reply closes
-        one connection, not the server); ``ClaimUnconfirmed`` when that fails too."""
+        one connection, not the server), each claim marked ``recovered``; ``ClaimUnconfirmed``
+        when that read fails too."""
         try:
-            return await self.recover(worker_id, run_ids, keys=keys)
+            claimed = await self.recover(worker_id, run_ids, keys=keys)
         except StoreUnavailable as again:
             raise ClaimUnconfirmed(str(exc), run_ids, keys) from again
+        return Claimed([replace(claim, recovered=True) for claim in claimed.claims], claimed.rejected)
 
     async def recover(
         self, worker_id: str, run_ids: Sequence[str], *, keys: Sequence[str] | None = None

@@ -28,7 +28,7 @@ from taskrunner import MemoryStore, TaskRunner, TaskState
 from taskrunner.dashboard.hub import Hub
 from taskrunner.discovery import Discovery
 from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, StoreError
-from taskrunner.follow import ENDED
+from taskrunner.follow import ENDED, MIN_LIFE, StreamEnds
 from taskrunner.limits import LimitWatch
 from taskrunner.models import Task
 from taskrunner.outage import Outage
@@ -71,6 +71,27 @@ def test_resuming_after_an_invalidate_is_lost_history() -> None:
     ``ChangeHistoryLost``: the consumer opens a new stream and rescans."""
     with pytest.raises(ChangeHistoryLost, match="open a new one"), mapped_errors():
         raise pe.OperationFailure("cannot resume after an invalidate", code=260)
+
+
+def test_a_reopened_stream_that_lived_is_ended_again_not_failing() -> None:
+    """A reopened stream the server ends before any of its getMores came back (they wait
+    up to 5 s for events) is a new end when it lived ``MIN_LIFE`` or more: logged and
+    reopened again; only one that ends sooner cannot be followed (poll, unlogged here)."""
+    now = [0.0]
+    with capture_logs() as logs:
+        ends = StreamEnds(structlog.get_logger("test"), "tasks", clock=lambda: now[0])
+        end = ChangeStreamEnded(ChangeStreamEnded.CURSOR_CLOSED)
+        first = ends.ended(end)
+        now[0] += MIN_LIFE
+        second = ends.ended(end)  # the reopened stream waited on its first getMore
+        now[0] += MIN_LIFE / 10
+        third = ends.ended(end)  # this one ended at once
+        now[0] += 10 * MIN_LIFE
+        fourth = ends.ended(end)  # a stream retried after polling, unanswered: still failing
+        ends.worked()
+        fifth = ends.ended(end)
+    assert (first, second, third, fourth, fifth) == (True, True, False, False, True)
+    assert [e["event"] for e in logs] == [ENDED] * 3
 
 
 # -- discovery: the worker's task stream ------------------------------------------------------------
