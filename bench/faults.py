@@ -9,7 +9,9 @@ the server's test-only ``taskrunnerFault`` command (docs/embedded-server.md):
   (each when another share of it has finished, and at least a second after the last);
 - ``stepdown``: a ``--stepdown`` seconds stepdown once a fifth of the backlog has finished;
 - ``lose``: the reply of every ``--lose-every``-th write is lost (the write applied) while
-  the whole backlog runs.
+  the whole backlog runs;
+- ``none``: the control, no fault: the stepdown's backlog, and the probe published once a
+  fifth of it has finished, so its pickup is what "normal" means under that load.
 
 When the fault ends (the last end; the server primary again; the fault turned off) a
 probe task is published ahead of the backlog (priority 10). Its pickup recovery time is
@@ -19,8 +21,8 @@ documents: ``success``, ``fail``, ``unfinished``, ``failures_counted`` (the fail
 spent, summed), ``claimed_twice`` (tasks claimed more than once: with default options,
 after a lost claim or a lease the fault let expire).
 
-    uv run python bench/faults.py [--scenarios ends,stepdown,lose] [--rounds 3] [--workers 4]
-                                  [--tasks 240,500,120] [--smoke] [--results PATH]
+    uv run python bench/faults.py [--scenarios ends,stepdown,lose,none] [--rounds 3] [--workers 4]
+                                  [--tasks 240,500,120,500] [--smoke] [--results PATH]
 
 Prints and records one JSON line per scenario: summed outcome counts, each round's
 recovery (s), their median, and the slowest exit after SIGTERM. A round takes about a
@@ -45,7 +47,7 @@ from taskrunner import TaskRunner, TaskState
 from taskrunner.follow import MIN_LIFE
 
 COLLECTION = "faults"
-SCENARIOS = ("ends", "stepdown", "lose")
+SCENARIOS = ("ends", "stepdown", "lose", "none")
 LONG = 4  # long tasks in flight through the fault
 WAIT = 600.0  # bound on any wait: a fault round that takes longer has gone wrong
 
@@ -160,7 +162,12 @@ async def lose(r: Round, tasks: int) -> None:
         await r.fault("off")
 
 
-FAULTS = {"ends": ends, "stepdown": stepdown, "lose": lose}
+async def none(r: Round, tasks: int) -> None:
+    await r.publish("sleep", tasks, "t", seconds=0.5)
+    await r.until_done(tasks // 5)
+
+
+FAULTS = {"ends": ends, "stepdown": stepdown, "lose": lose, "none": none}
 
 
 async def one_round(scenario: str, tasks: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -208,10 +215,10 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of ends,stepdown,lose")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of ends,stepdown,lose,none")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--tasks", default="240,500,120", help="backlog of ends,stepdown,lose")
+    parser.add_argument("--tasks", default="240,500,120,500", help="backlog of ends,stepdown,lose,none")
     parser.add_argument("--ends", type=int, default=3, help="times the streams are ended")
     parser.add_argument("--stepdown", type=float, default=10.0, help="seconds")
     parser.add_argument("--lose-every", type=int, default=7)
