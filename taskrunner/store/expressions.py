@@ -5,15 +5,8 @@ reads the clock takes it as ``now`` (default ``$$NOW``, what the store sends; a 
 passes a date, the same one it gives the Python twin). Each write recomputes the summary
 fields in the same atomic update (``summarize``).
 
-The two modules are twins: each rule has one name in both. A predicate is an adjective
-and a write a verb or noun: ``rules.claimable(doc, worker_id, now)`` says whether the
-filter ``expressions.claimable(worker_id, now)`` matches ``doc``, and ``rules.claim(doc,
-worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(worker_id,
-run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
-``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
-``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
-``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
-``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+The twin of ``taskrunner.rules``: each rule has one name in both modules (the naming
+scheme is in that module's docstring), and ``tests/test_twins.py`` runs each pair on
 generated documents and compares (docs/design.md, "One set of rules, twice").
 ``normalize`` is written here in two parts, ``normalize`` and its ``mark``.
 
