@@ -215,7 +215,9 @@ def figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of ends,stepdown,lose,none")
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help="comma list of ends,stepdown,lose,none"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tasks", default="240,500,120,500", help="backlog of ends,stepdown,lose,none")

@@ -377,7 +377,7 @@ def test_faults_smoke(tmp_path: Path) -> None:
     last = run_bench("faults.py", "--smoke", results=results, timeout=240)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     assert lines[-1] == last
-    assert [line["config"]["scenario"] for line in lines] == ["ends", "stepdown", "lose"]
+    assert [line["config"]["scenario"] for line in lines] == ["ends", "stepdown", "lose", "none"]
     for line in lines:
         assert line["bench"] == "faults" and line["smoke"] is True and line["rounds"] == 1
         assert line["success"] == 12 + 4 + 1  # the backlog, the long tasks, the probe
