@@ -873,5 +873,14 @@ class Worker:
             for task in pending:
                 task.cancel()  # each run then releases its claim
             await asyncio.gather(*pending, return_exceptions=True)
+        await self._give_back_unconfirmed()
         with suppress(StoreError):
             await self.gates.close()  # permits and running slots back to the fleet
+
+    async def _give_back_unconfirmed(self) -> None:
+        """Claims whose reply was lost and not yet recovered are found and given back
+        (``_confirm`` runs none once stopping), retried for at most ``shutdown_timeout``:
+        left alone, their leases would expire and each takeover spend a failure."""
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self._unconfirmed and time.monotonic() < deadline:
+            await self._confirm(0)

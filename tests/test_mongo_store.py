@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from taskrunner import MalformedTask, TaskContext, TaskRunner, TaskState
 from taskrunner import fields as f
 from taskrunner.dashboard import pages
-from taskrunner.errors import ClaimUnconfirmed
+from taskrunner.errors import ClaimUnconfirmed, StoreUnavailable
 from taskrunner.models import NewTask
 from taskrunner.store import expressions as x
 from taskrunner.store.base import Listing
@@ -303,6 +303,40 @@ async def test_a_worker_runs_claims_whose_reply_was_lost_without_spending_budget
     assert "claims recovered after a lost reply" in [e["event"] for e in logs]
     tasks = await store.find()
     assert [(t.failures, t.attempts, len(t.workers)) for t in tasks] == [(0, 1, 1)] * 6
+
+
+async def test_a_stopping_worker_gives_back_claims_whose_reply_was_lost(
+    store: MongoStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped while a claim's reply and its read-back were lost, and the server
+    came back only then, finds that claim at shutdown and gives it back: the task is
+    PENDING again with no failure counted, instead of RUNNING until its lease expires."""
+    await store.publish(new("only", max_failures=1))
+    runner = TaskRunner(store=store)
+
+    @runner.task("job")
+    async def job(params: dict[str, Any], ctx: TaskContext) -> None:
+        raise AssertionError("the claim was lost: the handler must not run")
+
+    faults = LostReplies(store, monkeypatch, writes=1, reads=1)
+    away, tries = [True], [0]
+    recover = store.recover
+
+    async def recover_when_back(*args: Any, **kwargs: Any) -> Any:
+        tries[0] += 1
+        if away[0]:
+            raise StoreUnavailable("MongoDB unavailable: connection refused (injected)")
+        return await recover(*args, **kwargs)
+
+    monkeypatch.setattr(store, "recover", recover_when_back)
+    worker = Worker(runner, worker_id="w1", poll_interval=0.2, shutdown_timeout=10)
+    running = asyncio.create_task(worker.run())
+    await wait_for(lambda: faults.lost == 1 and tries[0] >= 1, 30, "a lost claim the worker cannot confirm")
+    worker.stop()
+    away[0] = False
+    await asyncio.wait_for(running, 30)
+    task = await store.get("only")
+    assert task.state is TaskState.PENDING and task.failures == 0 and task.workers == [], task
 
 
 @pytest.mark.parametrize("batch", [1, 8])
