@@ -443,22 +443,35 @@ class GateKeeper:
     # -- the side task ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, declared: dict[str, Limit]) -> None:
         """Record the code's limits, then every ``TICK``: give back what has no use, renew
-        what is due, forget gates left with nothing."""
-        for name, limit in declared.items():
-            if limit:
-                await self.store.declare_limits(name, describe(limit))
-        outage = Outage(
-            log, "could not renew or give back lanes and running slots", "gate writes recovered", cap=TICK
-        )
+        what is due, forget gates left with nothing. A server that does not answer is one
+        warning when it starts and one info line when it answers again; what failed (the
+        limits not yet recorded, a renewal) is tried again at the next tick."""
+        undeclared = {name: limit for name, limit in declared.items() if limit}
+        outage = Outage(log, "gates cannot reach the server; retrying", "gates recovered", cap=TICK)
         while not stop.is_set():
+            try:
+                declared_now = await self._declare(undeclared)
+                await self.tend()
+            except StoreError as exc:
+                outage.failed(exc)
+            else:
+                # Only a server that answered ends an outage: with nothing recorded and no
+                # lane or slot held, this tick asked it nothing.
+                if declared_now or any(self._leases.values()):
+                    outage.ok()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), TICK)
             self.wake.clear()
-            try:
-                await self.tend()
-                outage.ok()
-            except StoreError as exc:
-                outage.failed(exc)  # tried again at the next tick
+
+    async def _declare(self, undeclared: dict[str, Limit]) -> bool:
+        """Record each name's limits from code in its limits document (for operators),
+        removing each from ``undeclared`` once written; whether any was."""
+        written = False
+        for name, limit in list(undeclared.items()):
+            await self.store.declare_limits(name, describe(limit))
+            del undeclared[name]
+            written = True
+        return written
 
     async def tend(self, everything: bool = False) -> None:
         """Give back what has no use, renew what is due, forget gates left with nothing;

@@ -77,6 +77,9 @@ BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
 DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
 DRAIN_SLACK = 1.0  # draining, tasks due within this many seconds count as claimable now
 RECOVERED = "claims recovered after a lost reply"
+RESTART_PAUSE = 1.0  # seconds before a crashed side task restarts; doubled per crash in a row
+MAX_RESTART_PAUSE = 30.0
+HEALTHY_RUN = 60.0  # seconds a side task ran before it crashed that make the crash a first one
 
 
 def _hash(token: str, worker_id: str) -> bytes:
@@ -372,15 +375,30 @@ class Worker:
             self.limits.follow = False
 
     async def _supervise(self, name: str, make: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """The monitor: a side task that dies is logged and restarted after a pause."""
+        """The monitor: a side task that dies is restarted after a pause, which doubles
+        while it keeps dying (up to ``MAX_RESTART_PAUSE``). Only the first crash of such a
+        run of crashes is logged, and a server that does not answer without a traceback:
+        a side task waits out outages itself (one line each way), so reaching this is a
+        defect to report, not a reason to flood the log."""
+        crashes = 0
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 await make()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                self.log.exception("side task crashed; restarting", side_task=name)
-                await asyncio.sleep(1.0)
+            except Exception as exc:
+                crashes = 1 if time.monotonic() - started >= HEALTHY_RUN else crashes + 1
+                self._crashed(name, exc, crashes)
+                await asyncio.sleep(min(MAX_RESTART_PAUSE, RESTART_PAUSE * 2 ** (crashes - 1)))
+
+    def _crashed(self, name: str, exc: Exception, crashes: int) -> None:
+        if crashes > 1:
+            self.log.debug("side task crashed; restarting", side_task=name, crashes=crashes, error=repr(exc))
+        elif isinstance(exc, StoreError):
+            self.log.warning("side task crashed; restarting", side_task=name, error=redact(str(exc)))
+        else:
+            self.log.error("side task crashed; restarting", side_task=name, exc_info=exc)
 
     # -- claiming ------------------------------------------------------------------------------
     async def _claim_loop(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
@@ -11,7 +13,7 @@ from structlog.testing import capture_logs
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.claimqueue import ClaimQueue
-from taskrunner.errors import ChangeStreamsUnsupported
+from taskrunner.errors import ChangeStreamsUnsupported, StoreUnavailable
 from taskrunner.models import WorkerInfo
 from taskrunner.store.base import ChangeStream, Page
 from taskrunner.testing import wait_for
@@ -267,3 +269,34 @@ async def test_worker_registers_itself_while_running() -> None:
     await running
     assert (info.worker_id, info.names) == ("w-reg", ["job"])
     assert await registry_store.workers() == []
+
+
+async def test_a_side_task_crashing_in_a_row_is_logged_once_and_restarted_ever_later() -> None:
+    """The monitor restarts a crashing side task after pauses that double, and logs only
+    the first crash of a run of them: a server that does not answer as one warning without
+    a traceback, any other exception as an error with it; the repeats are debug."""
+    runner, _ = make_runner(MemoryStore())
+    worker = Worker(runner, worker_id="w")
+    starts: list[float] = []
+
+    async def failing(*errors: Exception) -> None:
+        starts.append(time.monotonic())
+        if len(starts) <= len(errors):
+            raise errors[len(starts) - 1]
+        worker.stop()  # ends the monitor's loop
+
+    away = StoreUnavailable("MongoDB unavailable: 127.0.0.1:1: connection refused")
+    with capture_logs() as logs:
+        await asyncio.wait_for(worker._supervise("store", lambda: failing(away, away)), 30)
+    crashes = [
+        (e["log_level"], "exc_info" in e) for e in logs if e["event"] == "side task crashed; restarting"
+    ]
+    assert crashes == [("warning", False), ("debug", False)], logs
+    first, second = (b - a for a, b in itertools.pairwise(starts))
+    assert first >= 1.0 and second >= 2.0, starts
+
+    worker, starts = Worker(runner, worker_id="w"), []
+    with capture_logs() as logs:
+        await asyncio.wait_for(worker._supervise("bug", lambda: failing(RuntimeError("a bug"))), 30)
+    [crash] = [e for e in logs if e["event"] == "side task crashed; restarting"]
+    assert crash["log_level"] == "error" and isinstance(crash["exc_info"], RuntimeError), crash

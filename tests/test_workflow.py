@@ -7,6 +7,7 @@ run the README's test command, and that the URIs name the replica set the server
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -14,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from taskrunner.worker_options import WorkerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
@@ -110,7 +113,66 @@ def test_compose_check_runs_the_same_suite_on_the_healthy_replica_set() -> None:
 
 
 def test_compose_up_still_starts_only_mongo_and_the_worker() -> None:
-    """The check service sits in a profile, so plain `docker compose up` does not run the test suite."""
+    """The check service sits in a profile, so plain `docker compose up` starts only mongo,
+    the one-shot `init` and the worker, never the test suite."""
     services = load(COMPOSE)["services"]
-    assert [name for name, service in services.items() if "profiles" not in service] == ["mongo", "worker"]
+    assert [name for name, service in services.items() if "profiles" not in service] == [
+        "mongo",
+        "init",
+        "worker",
+    ]
     assert services["check"]["profiles"] == ["check"]
+
+
+SHELLS = {"sh", "bash", "dash", "/bin/sh", "/bin/bash"}
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+GIVE_BACK = 5.0
+"""Seconds a stopping worker is given, past its shutdown timeout, to release its claims,
+give back gate lanes and unregister: a few round trips."""
+
+
+def compose_seconds(duration: str) -> float:
+    """A compose duration (``1m30s``, ``10s``, ``500ms``) in seconds."""
+    parts = DURATION.findall(duration)
+    assert "".join(value + unit for value, unit in parts) == duration, duration
+    return sum(float(value) * UNITS[unit] for value, unit in parts)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions as (keyword, arguments), comments left out."""
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if line and line[0] != "#"]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_compose_worker_gets_sigterm_and_installs_once() -> None:
+    """`docker compose stop` reaches the worker itself: its command is exec form (no shell
+    that would sit as PID 1 ignoring SIGTERM), nothing installs at start (the image did),
+    `init` runs apart before it, and the grace period before SIGKILL covers the worker's
+    shutdown timeout plus the time to give its claims back."""
+    services = load(COMPOSE)["services"]
+    init, worker = services["init"], services["worker"]
+    for service in (init, worker):
+        assert service["build"] == "." and "entrypoint" not in service, service
+        assert isinstance(service["command"], list) and service["command"][0] not in SHELLS, service
+        assert not {"pip", "uv", "install", "&&"} & set(service["command"]), service
+    assert init["command"] == ["taskrunner", "init"]
+    assert init["depends_on"] == {"mongo": {"condition": "service_healthy"}}
+    assert worker["command"][:2] == ["taskrunner", "worker"]
+    assert worker["depends_on"] == {"init": {"condition": "service_completed_successfully"}}
+    assert worker["init"] is True  # Docker's init forwards the signal and reaps handlers' children
+    default = WorkerOptions().shutdown_timeout
+    shutdown = float(worker["environment"].get("TASKRUNNER_SHUTDOWN_TIMEOUT", default))
+    assert compose_seconds(worker.get("stop_grace_period", "10s")) >= shutdown + GIVE_BACK
+
+
+def test_the_image_installs_the_locked_project_once_and_runs_the_worker_without_a_shell() -> None:
+    """The Dockerfile installs uv.lock's versions at build time and its CMD is exec form."""
+    steps = dockerfile_instructions()
+    runs = [args for keyword, args in steps if keyword == "RUN"]
+    assert any(args.startswith("uv sync --locked --no-dev") for args in runs), runs
+    copied = " ".join(args for keyword, args in steps if keyword == "COPY")
+    assert all(needed in copied for needed in ("pyproject.toml", "uv.lock", "taskrunner", "examples"))
+    [command] = [args for keyword, args in steps if keyword == "CMD"]
+    assert json.loads(command)[:2] == ["taskrunner", "worker"]
+    assert "ENTRYPOINT" not in {keyword for keyword, _ in steps}

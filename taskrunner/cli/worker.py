@@ -1,8 +1,9 @@
-"""``taskrunner worker``: run tasks until SIGTERM/SIGINT (twice: exit at once)."""
+"""``taskrunner worker``: run tasks until SIGTERM/SIGINT (another one a second later: exit at once)."""
 
 from __future__ import annotations
 
 import enum
+import signal
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -147,13 +148,21 @@ def _make_worker(runner: TaskRunner, observer: WorkerObserver | None, **options:
 
 
 async def _run_until_signalled(runner: TaskRunner, process: Worker) -> None:
-    try:
-        with stop_signals(
-            lambda _: process.stop(), at_once="exiting at once; leases expire and other workers take over"
-        ):
+    """Run until stopped; signals stay handled while the store closes (a duplicate of the
+    stop signal, as ``uv run`` forwards one, must not interrupt the cleanup)."""
+    with stop_signals(
+        lambda signum: _stopping(process, signum),
+        at_once="exiting at once; leases expire and other workers take over",
+    ):
+        try:
             await process.run()
-    finally:
-        await runner.close()
+        finally:
+            await runner.close()
+
+
+def _stopping(process: Worker, signum: signal.Signals) -> None:
+    process.log.info("stopping gracefully", signal=signum.name)
+    process.stop()
 
 
 def count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter | None]:
