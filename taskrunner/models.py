@@ -321,10 +321,14 @@ def first_error(exc: ValidationError) -> str:
 
 
 def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
-    """The first validation error as an ``InvalidTask`` naming its dotted field path."""
-    err = exc.errors()[0]
-    path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-    return cls(path or "task", err["msg"])
+    """Every problem of a validation error as one ``InvalidTask``, each naming its dotted
+    field path (pydantic reports all of a model's bad fields, not only the first)."""
+    problems = [
+        (".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "task", err["msg"])
+        for err in exc.errors()
+    ]
+    (field, message), *more = problems
+    return cls(field, message, more=more)
 
 
 class Waiter(Protocol):

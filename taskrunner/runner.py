@@ -248,12 +248,7 @@ class TaskRunner:
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""
-        unknown = set(spec) - TASK_FIELDS - OPTION_NAMES
-        if unknown:
-            field = sorted(unknown)[0]
-            raise InvalidTask(
-                f"options.{field}", f"unknown option {field!r}; known: {', '.join(sorted(OPTION_NAMES))}"
-            )
+        _check_option_names(set(spec) - TASK_FIELDS)
         name = spec.get("name")
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
@@ -505,8 +500,7 @@ def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: M
     try:
         return build(spec)
     except InvalidTask as exc:
-        exc.field = f"tasks[{index}].{exc.field}"  # the same error, placed in the batch
-        exc.args = (f"{exc.field}: {exc.message}",)
+        exc.place(f"tasks[{index}]")  # the same error, placed in the batch
         raise
 
 
@@ -537,10 +531,13 @@ def _limit_name(name: str) -> str:
     return name
 
 
-def _check_option_names(options: Mapping[str, Any]) -> None:
-    for field in options:
-        if field not in OPTION_NAMES:
-            raise InvalidTask(f"options.{field}", f"unknown option {field!r}")
+def _check_option_names(names: Iterable[str]) -> None:
+    """Refuse, naming every one, the names that are not task options."""
+    unknown = sorted(set(names) - OPTION_NAMES)
+    if unknown:
+        known = ", ".join(sorted(OPTION_NAMES))
+        (field, message), *more = [(f"options.{u}", f"unknown option {u!r}; known: {known}") for u in unknown]
+        raise InvalidTask(field, message, more=more)
 
 
 class _Following:

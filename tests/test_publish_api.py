@@ -88,6 +88,27 @@ async def test_invalid_params_raise_invalid_params(runner: TaskRunner) -> None:
         await runner.publish("resize", {"width": "x"})
 
 
+async def test_invalid_params_name_every_bad_field(runner: TaskRunner) -> None:
+    """InvalidParams names every field the model refuses (pydantic's errors), not only the
+    first; ``field`` is the first, ``problems`` all of them, in a batch under its index."""
+    bad = {"width": "wide", "height": "tall"}
+    with pytest.raises(InvalidParams) as info:
+        await runner.publish("resize", bad)
+    assert [f for f, _ in info.value.problems] == ["params.width", "params.height"]
+    assert info.value.field == "params.width"
+    assert "params.width: " in str(info.value) and "; params.height: " in str(info.value)
+    with pytest.raises(InvalidTask) as batch:
+        await runner.publish_many(
+            [{"name": "resize", "params": {"width": 1}}, {"name": "resize", "params": bad}]
+        )
+    assert [f for f, _ in batch.value.problems] == ["tasks[1].params.width", "tasks[1].params.height"]
+    assert str(batch.value).count("tasks[1].params.") == 2
+    with pytest.raises(InvalidTask) as options:
+        await runner.publish("resize", {"width": 1}, nope=1, bogus=2)
+    assert [f for f, _ in options.value.problems] == ["options.bogus", "options.nope"]
+    assert await runner.store.count() == 0
+
+
 async def test_unregistered_names_take_plain_json_dicts(runner: TaskRunner) -> None:
     """A name of another app's handlers (``allow_unknown``) takes plain dicts; non-BSON values are refused."""
     task = await runner.publish("elsewhere", {"any": ["thing", 1]}, allow_unknown=True)
