@@ -14,6 +14,7 @@
     ├── UnknownHandler (LookupError)    no handler registered under that name
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
+    ├── RunnerClosed (RuntimeError)     a SyncTaskRunner used after close()
     ├── ConfigurationError              bad URI, settings or app reference
     │   └── ServerTooOld                MongoDB older than taskrunner needs; names both versions
     └── StoreError                      the database failed the operation
@@ -141,6 +142,17 @@ class ClaimLost(TaskRunnerError):
         self.key = key
         self.run_id = run_id
         super().__init__(f"claim lost on task {key!r} (run {run_id})")
+
+
+class RunnerClosed(TaskRunnerError, RuntimeError):
+    """A ``SyncTaskRunner`` was used after ``close()`` (or its ``with`` block ended): its
+    connection and event loop are gone; make a new one with ``runner.sync()``."""
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+        super().__init__(
+            f"cannot {operation}: this SyncTaskRunner is closed; make a new one with runner.sync()"
+        )
 
 
 class ConfigurationError(TaskRunnerError):

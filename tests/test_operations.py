@@ -19,7 +19,7 @@ from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, Task, TaskRunner, TaskState
+from taskrunner import EntryState, SyncTask, Task, TaskRunner, TaskState
 from taskrunner import fields as f
 from taskrunner.cli import app
 from taskrunner.errors import WaitTimeout
@@ -96,7 +96,7 @@ async def test_wait_returns_results_errors_and_honours_its_timeout(
     assert "did not finish within 1 s (still PENDING)" in cli["stuck"].stderr
 
 
-def _sync_waits(runner: TaskRunner) -> tuple[Task, float]:
+def _sync_waits(runner: TaskRunner) -> tuple[SyncTask, float]:
     """The sync facade's wait: a finished task, then the seconds a 0.5 s timeout took."""
     with runner.sync() as facade:
         synced = facade.wait("ok", 30)
