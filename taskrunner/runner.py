@@ -130,7 +130,8 @@ class TaskRunner:
         """Declare a recurring task: ``cron`` (5 fields, or 6 with leading seconds, in
         ``timezone``) or ``every`` (a duration). Each tick publishes one task keyed
         ``<id>@<tick, UTC ISO 8601>``; workers of this app store and fire it. Errors name
-        the field at declaration (``InvalidSchedule``); see docs/schedules.md."""
+        the field at declaration (``InvalidSchedule``): ``every`` below 1 s, an ``id``
+        (default: ``name``) declared already, ...; see docs/schedules.md."""
         probe = self.new_task(
             {"name": name, "params": params, "priority": priority, "key": "probe", **options},
             allow_unknown=allow_unknown,
@@ -149,6 +150,13 @@ class TaskRunner:
             jitter=jitter,
             grace=grace,
         )
+        declared = self.schedules.get(schedule.id)
+        if declared is not None:
+            raise InvalidSchedule(
+                "id",
+                f"schedule {schedule.id!r} is already declared (task {declared.name!r},"
+                f" {declared.recurrence.expression}); give this one its own id=",
+            )
         self.schedules[schedule.id] = schedule
         return schedule
 
