@@ -22,7 +22,7 @@ from workers import WorkerPool, wait_exit
 from taskrunner import EntryState, SyncTask, Task, TaskRunner, TaskState
 from taskrunner import fields as f
 from taskrunner.cli import app
-from taskrunner.errors import WaitTimeout
+from taskrunner.errors import TaskNotFound, WaitTimeout
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
@@ -104,6 +104,25 @@ def _sync_waits(runner: TaskRunner) -> tuple[SyncTask, float]:
         with pytest.raises(WaitTimeout):
             facade.wait("stuck", 0.5)
         return synced, time.monotonic() - began
+
+
+async def test_a_handlers_follow_up_goes_where_its_worker_runs(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """A handler publishing through ``ctx.runner`` in a ``taskrunner worker`` process puts the
+    follow-up in the worker's collection, where it runs, not where the app module's own
+    runner points (the default ``tasks`` collection)."""
+    key = f"{collection_name}-first"
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        await runner.publish("follow_up", key=key)
+        first = await runner.wait(key, timeout=60)
+        follow_up = await runner.wait(f"{key}:next", timeout=60)
+    assert first.state is TaskState.SUCCESS and first.results == [f"{key}:next"]
+    assert follow_up.state is TaskState.SUCCESS and follow_up.name == "quick"
+    async with TaskRunner(mongo_uri) as module_default:
+        with pytest.raises(TaskNotFound):
+            await module_default.get(f"{key}:next")
 
 
 # -- cancel and retry -----------------------------------------------------------------------

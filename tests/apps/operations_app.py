@@ -1,4 +1,5 @@
-"""The operations tests' app: the acceptance handlers plus one reporting progress and one gated by a file.
+"""The operations tests' app: the acceptance handlers plus ones reporting progress, one
+gated by a file, and one publishing a follow-up task.
 
 Marks go where tests/apps/acceptance_app.py puts them (``$ACCEPTANCE_MARKS``).
 """
@@ -49,3 +50,12 @@ def gated(params: GateParams, ctx: TaskContext) -> str:
         raise RuntimeError(f"broken while {params.broken_while} exists")
     mark("finish", ctx)
     return "repaired"
+
+
+@runner.task("follow_up")
+async def follow_up(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Publish a ``quick`` task keyed ``<key>:next`` through the runner running this one."""
+    mark("start", ctx)
+    task = await ctx.runner.publish("quick", key=f"{ctx.key}:next")
+    mark("finish", ctx)
+    return task.key
