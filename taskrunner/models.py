@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Generic, Literal, Protocol, Self, TypeVar
 
@@ -142,6 +143,13 @@ class TaskOptions(BaseModel):
             return {**data, f.BACKOFF: "fixed"}
         return data
 
+    @staticmethod
+    def set_by(names: Iterable[str]) -> frozenset[str]:
+        """The options a call naming ``names`` sets: ``retry_backoff`` without ``backoff``
+        sets ``backoff`` too (to ``"fixed"``, as validation does)."""
+        named = frozenset(names)
+        return named | {f.BACKOFF} if f.RETRY_BACKOFF in named else named
+
     @field_validator("worker_ids")
     @classmethod
     def _non_empty_ids(cls, ids: list[str]) -> list[str]:
@@ -236,6 +244,13 @@ class NewTask(BaseModel):
                 " (at most 200 characters)"
             )
         return name
+
+    def naming(self, fields: Iterable[str], options: Iterable[str] = ()) -> NewTask:
+        """This task as a publish call that named only ``fields`` (and, of the options,
+        ``options``) gives it: they become its ``model_fields_set`` and its options', which
+        is all ``update_pending`` rewrites of a stored task (``rules.pending_changes``)."""
+        named_options = TaskOptions.model_construct(_fields_set=set(options), **dict(self.options))
+        return NewTask.model_construct(_fields_set=set(fields), **{**dict(self), "options": named_options})
 
     @classmethod
     def build(cls, **values: Any) -> NewTask:

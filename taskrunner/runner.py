@@ -212,7 +212,7 @@ class TaskRunner:
         params: Any = None,
         *,
         key: str | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         run_at: datetime | None = None,
         delay: Duration | None = None,
         update_pending: bool = False,
@@ -222,10 +222,13 @@ class TaskRunner:
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
 
-        ``update_pending`` rewrites params, priority, run time and options of a task no
-        worker has started; ``republish_finished`` starts a finished key afresh. A runner
-        with handlers refuses a name none of them has (``UnknownTaskName``) unless
-        ``allow_unknown``: the task is for workers of another app.
+        ``update_pending`` rewrites, on a task no worker has started, only what this call
+        names: ``params``, ``priority``, the run time (``run_at`` or ``delay``) and each
+        option given; whatever is left out or None stays as stored (a new task gets
+        priority 0, params ``{}``, the handler's option defaults). ``republish_finished``
+        starts a finished key afresh. A runner with handlers refuses a name none of them
+        has (``UnknownTaskName``) unless ``allow_unknown``: the task is for workers of
+        another app.
         """
         spec = dict(
             name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
@@ -492,14 +495,23 @@ class TaskRunner:
 def _build(
     name: str, params: dict[str, Any], spec: Mapping[str, Any], registration: Registration | None
 ) -> NewTask:
+    """The task ``spec`` describes, recording what the call named: a keyword left out or
+    None is not named (``update_pending`` leaves that part of a stored task alone)."""
     given = {k: v for k, v in spec.items() if k in OPTION_NAMES and v is not None}
     options = {**(registration.options if registration else {}), **given}
     values = {k: spec.get(k) for k in ("key", "priority", "run_at", "delay") if spec.get(k) is not None}
     values.setdefault("key", uuid.uuid4().hex)
     try:
-        return NewTask.model_validate({**values, "name": name, "params": params, "options": options})
+        task = NewTask.model_validate({**values, "name": name, "params": params, "options": options})
     except ValidationError as exc:
         raise invalid_task(exc) from None
+    named = {
+        "name",
+        *values,
+        *(["params"] if spec.get("params") is not None else []),
+        *(["options"] if given else []),
+    }
+    return task.naming(named, TaskOptions.set_by(given))
 
 
 def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: Mapping[str, Any]) -> NewTask:

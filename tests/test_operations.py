@@ -125,6 +125,28 @@ async def test_a_handlers_follow_up_goes_where_its_worker_runs(
             await module_default.get(f"{key}:next")
 
 
+async def test_update_pending_leaves_a_delayed_tasks_run_time_alone(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``publish --update-pending --priority 7`` on a task delayed an hour changes its
+    priority only: a worker does not run it (a task published after it runs first), and
+    its run time, params and options stay as published."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        delayed = ["publish", "quick", "--key", "up1", "--params", '{"n": 1}', "--delay", "3600"]
+        assert (await ainvoke(runner, *delayed, "--max-failures", "5")).exit_code == 0
+        before = await runner.get("up1")
+        updated = await ainvoke(
+            runner, "publish", "quick", "--key", "up1", "--update-pending", "--priority", "7"
+        )
+        assert updated.exit_code == 0, updated.output
+        await runner.publish("quick", key="probe")
+        assert (await runner.wait("probe", timeout=60)).state is TaskState.SUCCESS
+    after = await runner.get("up1")
+    assert after.state is TaskState.PENDING and after.workers == [] and after.priority == 7
+    assert (after.run_at, after.params, after.options) == (before.run_at, {"n": 1}, before.options)
+
+
 # -- cancel and retry -----------------------------------------------------------------------
 
 

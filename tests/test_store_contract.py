@@ -315,6 +315,26 @@ async def test_update_pending_and_republish_finished(store: Store) -> None:
     assert again.params == {"v": 4} and await store.count() == 1
 
 
+async def test_update_pending_rewrites_only_what_the_call_names(store: Store) -> None:
+    """update_pending changes only the fields and options its publish call named: a new
+    priority keeps a delayed task's run time, params and options; an option merges into
+    the stored ones; ``delay=0`` moves the run time to now; a bare key changes nothing."""
+    options = {"concurrency": 2, "max_failures": 5}
+    [first] = await publish(store, task("d", params={"v": 1}, delay=3600, priority=1, options=options))
+    [prior] = await publish(store, task("d", priority=7), update_pending=True)
+    assert (prior.priority, prior.run_at, prior.claimable_at) == (7, first.run_at, first.run_at)
+    assert prior.params == {"v": 1} and prior.options == first.options
+    assert await store.claim("w1", key="d") is None
+    [merged] = await publish(store, task("d", options={"max_failures": 4}), update_pending=True)
+    assert (merged.options.max_failures, merged.options.concurrency, merged.run_at) == (4, 2, first.run_at)
+    [same] = await publish(store, task("d"), update_pending=True)
+    assert same.model_dump(exclude={"updated_at"}) == merged.model_dump(exclude={"updated_at"})
+    [due] = await publish(store, task("d", delay=0), update_pending=True)
+    assert due.run_at < first.run_at and (due.priority, due.params) == (7, {"v": 1})
+    claim = await store.claim("w1", key="d")
+    assert claim is not None
+
+
 @pytest.mark.parametrize(
     "doc",
     [

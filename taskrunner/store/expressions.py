@@ -557,9 +557,15 @@ def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
 
 
 def publish(
-    new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool, now: Expr = NOW
+    new: dict[str, Any],
+    run_at: Any,
+    *,
+    update: rules.PendingChanges | None,
+    republish_finished: bool,
+    now: Expr = NOW,
 ) -> list[Expr]:
-    """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option.
+    """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option:
+    ``update`` (``update_pending``) rewrites those changes where ``updatable``.
 
     An existing task that no option applies to is returned unchanged: no write.
     ``run_at`` is a datetime or ``$$NOW`` (server time).
@@ -572,8 +578,8 @@ def publish(
     if republish_finished:
         branches.append({"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": fresh})
     stages: list[Expr] = []
-    if update_pending:
-        branches.append({"case": updatable(), "then": pending_update(new, run_at, now)})
+    if update is not None:
+        branches.append({"case": updatable(), "then": pending_update(update, run_at, now)})
         stages = pending_update_summary(now)
     return [{"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}}, *stages]
 
@@ -584,18 +590,21 @@ def updatable() -> Expr:
     return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
 
 
-def pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
-    spent = {"$gte": [tally(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
-    changes = {
-        f.PARAMS: {"$literal": new[f.PARAMS]},
-        f.PRIORITY: new[f.PRIORITY],
-        f.OPTIONS: {"$literal": new[f.OPTIONS]},
-        f.RUN_AT: run_at,
-        f.UPDATED_AT: now,
-        f.STATE: {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]},
-        f.CLAIMABLE_AT: run_at,
-        "_tr_updated": True,
-    }
+def pending_update(update: rules.PendingChanges, run_at: Any, now: Expr) -> Expr:
+    """``rules.pending_update``: set only what the publish call named."""
+    changes: dict[str, Expr] = {name: {"$literal": value} for name, value in update.fields.items()}
+    if update.options:
+        is_object = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
+        merged = {"$mergeObjects": [f.ref(f.OPTIONS), {"$literal": update.options}]}
+        changes[f.OPTIONS] = {"$cond": [is_object, merged, {"$literal": update.whole_options}]}
+    if update.run_time:
+        changes |= {f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
+    changes[f.UPDATED_AT] = now
+    budget = update.options.get(f.MAX_FAILURES)
+    if budget is not None:
+        spent = {"$gte": [tally(f.FAILURES), budget]}
+        changes[f.STATE] = {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]}
+    changes["_tr_updated"] = True
     return {"$mergeObjects": ["$$ROOT", changes]}
 
 

@@ -276,7 +276,8 @@ class MongoStore:
     ) -> tuple[Doc, list[Any]]:
         new = {f.ID: bson.ObjectId(), **rules.new_document(task, publish_id)}
         run_at = x.start_time(task.run_at, task.delay)
-        update = x.publish(new, run_at, update_pending=update_pending, republish_finished=republish_finished)
+        changes = rules.pending_changes(task) if update_pending else None
+        update = x.publish(new, run_at, update=changes, republish_finished=republish_finished)
         return {f.KEY: task.key}, update
 
     async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]]) -> None:
