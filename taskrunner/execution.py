@@ -297,7 +297,9 @@ class Execution:
             value = Failure(outcome.error, retry_in, outcome.final)
 
         async def write() -> None:
-            result = await self.writes.submit(RunWrite(kind, self.key, self.run_id, self.worker_id, value))
+            last = self.ctx.last_progress if self.ctx is not None else None  # rides on the outcome
+            run_write = RunWrite(kind, self.key, self.run_id, self.worker_id, value, progress=last)
+            result = await self.writes.submit(run_write)
             if isinstance(result, StoreError):
                 raise result
             if result is not RunStatus.DONE:

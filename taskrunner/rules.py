@@ -320,18 +320,29 @@ def ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
     summarize(doc, now)
 
 
-def succeed(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
+def succeed(doc: Doc, entry: Doc, result: Any, now: datetime, progress: Any = None) -> None:
+    """Record the success, and the run's last ``progress`` unless None."""
     entry.update({f.STATE: EntryState.SUCCESS.value, f.RESULT: result, f.FINISHED_AT: now})
+    if progress is not None:
+        entry[f.PROGRESS] = progress
     summarize(doc, now)
 
 
 def fail(
-    doc: Doc, entry: Doc, error: Doc, now: datetime, retry_in: float | None = None, final: bool = False
+    doc: Doc,
+    entry: Doc,
+    error: Doc,
+    now: datetime,
+    retry_in: float | None = None,
+    final: bool = False,
+    progress: Any = None,
 ) -> None:
-    """Record the failure. A ``final`` one ends the task FAIL (``fatal``) without spending
-    budget; otherwise it counts, and the task is claimable again ``retry_in`` seconds
-    from now (None: ``retry_backoff``)."""
+    """Record the failure, and the run's last ``progress`` unless None. A ``final`` one ends
+    the task FAIL (``fatal``) without spending budget; otherwise it counts, and the task
+    is claimable again ``retry_in`` seconds from now (None: ``retry_backoff``)."""
     entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: error, f.FINISHED_AT: now})
+    if progress is not None:
+        entry[f.PROGRESS] = progress
     if final:
         doc[f.FATAL] = True
         summarize(doc, now)

@@ -147,6 +147,28 @@ async def test_update_pending_leaves_a_delayed_tasks_run_time_alone(
     assert (after.run_at, after.params, after.options) == (before.run_at, {"n": 1}, before.options)
 
 
+async def test_a_finished_runs_entry_holds_its_last_progress(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """The outcome write carries the run's last progress, on success and on failure: a run
+    shorter than the ping interval shows its final step, and a run whose renewals carried
+    an earlier step shows the final one, not the last renewal's."""
+    steps = [
+        {"name": "progress_steps", "key": "short", "params": {"steps": 32}},
+        {"name": "progress_steps", "key": "failed", "params": {"steps": 3, "fail": True}},
+        {"name": "progress_steps", "key": "long", "params": {"steps": 32, "pause": 1.5}, **PING},
+    ]
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        await runner.publish_many(steps)
+        done = [await runner.wait(str(step["key"]), timeout=60) for step in steps]
+    assert [(t.state, [w.progress for w in t.workers]) for t in done] == [
+        (TaskState.SUCCESS, [{"fraction": 1.0, "message": "step 32"}]),
+        (TaskState.FAIL, [{"fraction": 1.0, "message": "step 3"}]),
+        (TaskState.SUCCESS, [{"fraction": 1.0, "message": "step 32"}]),
+    ]
+
+
 # -- cancel and retry -----------------------------------------------------------------------
 
 

@@ -29,7 +29,16 @@ from taskrunner import (
 from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, ClaimLost, InvalidState, ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claimed, Failure, RunStatus, RunWrite, Store
+from taskrunner.store.base import (
+    ChangeEvent,
+    ChangeStream,
+    Claimed,
+    Failure,
+    RunStatus,
+    RunWrite,
+    RunWriteKind,
+    Store,
+)
 from taskrunner.store.mongo import MongoStore
 
 pytestmark = pytest.mark.mongo
@@ -976,6 +985,34 @@ async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(
     assert (await store.get("r3")).state is TaskState.SUCCESS and (await store.get("r3")).results == [42]
     assert (await store.get("r4")).results == ["first"]
     assert (await store.get("r1")).workers == []
+
+
+async def test_an_outcome_writes_the_runs_last_progress_with_it(store: Store) -> None:
+    """A success or failure carrying progress writes it on the run's entry in the same
+    write (the quick success and the pipeline alike); one carrying none keeps the entry's."""
+    await publish(store, *(task(k, options={"max_failures": 1}) for k in ("one", "fails", "kept")))
+    await publish(store, task("shared", options={"concurrency": 2}))
+    keys = ["one", "fails", "kept", "shared"]
+    claims = {c.task.key: c for c in (await store.claim_many("w1", keys)).claims}
+    done = {"fraction": 1.0, "message": "done"}
+    await runs.ping(store, "kept", claims["kept"].run_id, progress={"fraction": 0.5, "message": "half"})
+
+    def outcome(key: str, value: Any, progress: Any = done) -> RunWrite:
+        kind: RunWriteKind = "failure" if isinstance(value, Failure) else "success"
+        return RunWrite(kind, key, claims[key].run_id, "w1", value, progress=progress)
+
+    failure = Failure(TaskError(type="X", message="m"), final=True)
+    writes = [outcome("one", 1), outcome("fails", failure), outcome("kept", 3, None), outcome("shared", 4)]
+    assert await store.write_runs(writes) == [RunStatus.DONE] * 4
+    progress = {
+        k: [w.progress for w in (await store.get(k)).workers] for k in ("one", "fails", "kept", "shared")
+    }
+    assert progress == {
+        "one": [done],
+        "fails": [done],
+        "kept": [{"fraction": 0.5, "message": "half"}],
+        "shared": [done],
+    }
 
 
 async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(

@@ -526,15 +526,21 @@ def _run_write(apply: Callable[[Doc, Doc], None], run_id: str) -> Callable[[Doc]
 
 
 RESULTS = st.sampled_from([None, 7, {"rows": [1, None]}])
+LAST_PROGRESS = st.sampled_from([None, {"fraction": 1.0, "message": "step 32"}])
+"""An outcome's last progress: none reported (the entry keeps its own), or one."""
 
 
 @twins
-@given(docs=batches(), run_id=RUNS, result=RESULTS)
-def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> None:
-    """``succeed`` under ``running_entry`` writes what ``rules.succeed`` writes."""
+@example(docs=batch(task({}, entry({f.PROGRESS: {"fraction": 0.5}}))), run_id="r1", result=7, progress=None)
+@given(docs=batches(), run_id=RUNS, result=RESULTS, progress=LAST_PROGRESS)
+def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any, progress: Any) -> None:
+    """``succeed`` under ``running_entry`` writes what ``rules.succeed`` writes, the run's
+    last progress included."""
     server.load(docs)
-    matched, found = server.updated(x.running_entry("k", run_id), x.succeed(run_id, result, NOW))
-    chosen, expected = python_twin(docs, _run_write(lambda d, e: rules.succeed(d, e, result, NOW), run_id))
+    update = x.succeed(run_id, result, NOW, progress)
+    matched, found = server.updated(x.running_entry("k", run_id), update)
+    succeed = _run_write(lambda d, e: rules.succeed(d, e, result, NOW, copy.deepcopy(progress)), run_id)
+    chosen, expected = python_twin(docs, succeed)
     assert_same_choice(chosen, matched, docs, "success")
     assert_same(expected, found, docs)
 
@@ -544,15 +550,18 @@ def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> 
     docs=batch(task({f.FATAL: True}, entry()), task({f.FINISHED_AT: NOW - SECOND}, entry())),
     run_id="r1",
     result=7,
+    progress=None,
 )
-@given(docs=batches(), run_id=RUNS, result=RESULTS)
-def test_quick_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> None:
-    """Where ``quick_succeed`` matches, it writes what ``rules.succeed`` writes, and it
-    matches only documents the pipeline's fence matches."""
+@example(docs=batch(task({}, entry())), run_id="r1", result=7, progress={"fraction": 1.0, "message": "done"})
+@given(docs=batches(), run_id=RUNS, result=RESULTS, progress=LAST_PROGRESS)
+def test_quick_success(server: Scratch, docs: list[Doc], run_id: str, result: Any, progress: Any) -> None:
+    """Where ``quick_succeed`` matches, it writes what ``rules.succeed`` writes, the run's
+    last progress included, and it matches only documents the pipeline's fence matches."""
     server.load(docs)
-    query, update, array_filters = x.quick_succeed("k", run_id, result, NOW)
+    query, update, array_filters = x.quick_succeed("k", run_id, result, NOW, progress)
     matched, found = server.updated(query, update, array_filters=array_filters)
-    chosen, expected = python_twin(docs, _run_write(lambda d, e: rules.succeed(d, e, result, NOW), run_id))
+    succeed = _run_write(lambda d, e: rules.succeed(d, e, result, NOW, copy.deepcopy(progress)), run_id)
+    chosen, expected = python_twin(docs, succeed)
     assert matched <= chosen
     unchanged = {d[f.ID]: d for d in docs if d[f.ID] not in matched}
     assert_same({i: expected[i] for i in matched} | unchanged, found, docs)
@@ -567,21 +576,26 @@ ERROR = {f.ERROR_TYPE: "ValueError", f.ERROR_MESSAGE: "no", f.ERROR_TRACEBACK: N
     run_id="r1",
     retry_in=None,
     final=False,
+    progress={"fraction": 1.0, "message": "done"},
 )
 @given(
     docs=batches(),
     run_id=RUNS,
     retry_in=st.sampled_from([None, 0, 0.001, 5]),
     final=st.booleans(),
+    progress=LAST_PROGRESS,
 )
-def test_failure(server: Scratch, docs: list[Doc], run_id: str, retry_in: float | None, final: bool) -> None:
-    """``fail`` under ``running_entry`` writes what ``rules.fail`` writes, final or not."""
+def test_failure(
+    server: Scratch, docs: list[Doc], run_id: str, retry_in: float | None, final: bool, progress: Any
+) -> None:
+    """``fail`` under ``running_entry`` writes what ``rules.fail`` writes, final or not, the
+    run's last progress included."""
     server.load(docs)
-    update = x.fail(run_id, ERROR, retry_in, final, NOW)
+    update = x.fail(run_id, ERROR, retry_in, final, NOW, progress)
     matched, found = server.updated(x.running_entry("k", run_id), update)
 
     def fail(doc: Doc, entry: Doc) -> None:
-        rules.fail(doc, entry, dict(ERROR), NOW, retry_in, final)
+        rules.fail(doc, entry, dict(ERROR), NOW, retry_in, final, copy.deepcopy(progress))
 
     chosen, expected = python_twin(docs, _run_write(fail, run_id))
     assert_same_choice(chosen, matched, docs, "failure")

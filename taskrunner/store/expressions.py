@@ -457,9 +457,14 @@ def ping(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
     return [update_entry(run_id, changes), *summarize(now)]
 
 
-def succeed(run_id: str, result: Any, now: Expr = NOW) -> list[Expr]:
+def succeed(run_id: str, result: Any, now: Expr = NOW, progress: Any = None) -> list[Expr]:
+    """``rules.succeed``: the result, and the run's last ``progress`` unless None."""
     changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: now}
-    return [update_entry(run_id, changes), *summarize(now)]
+    return [update_entry(run_id, _with_progress(changes, progress)), *summarize(now)]
+
+
+def _with_progress(changes: dict[str, Expr], progress: Any) -> dict[str, Expr]:
+    return changes if progress is None else {**changes, f.PROGRESS: {"$literal": progress}}
 
 
 def storable_as_is(value: Any) -> bool:
@@ -475,7 +480,7 @@ def storable_as_is(value: Any) -> bool:
 
 
 def quick_succeed(
-    key: str, run_id: str, result: Any, now: datetime | None = None
+    key: str, run_id: str, result: Any, now: datetime | None = None, progress: Any = None
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """``succeed`` for the common case, as plain update operators (filter, update,
     array filters): a RUNNING task with one slot. While the run's entry is RUNNING, one
@@ -500,6 +505,8 @@ def quick_succeed(
         f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
         f.STATE: TaskState.SUCCESS.value,
     }
+    if progress is not None:
+        values[f"{f.WORKERS}.$[{run}].{f.PROGRESS}"] = progress
     stamp = {"$currentDate": dict.fromkeys(times, True)} if now is None else {}
     update = {
         "$set": values if now is None else values | dict.fromkeys(times, now),
@@ -510,11 +517,18 @@ def quick_succeed(
 
 
 def fail(
-    run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False, now: Expr = NOW
+    run_id: str,
+    error: dict[str, Any],
+    retry_in: float | None = None,
+    final: bool = False,
+    now: Expr = NOW,
+    progress: Any = None,
 ) -> list[Expr]:
     """``rules.fail``: a final failure sets ``fatal``; any other spends one
-    failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``)."""
-    changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
+    failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``).
+    The run's last ``progress`` is written unless None."""
+    failed = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
+    changes = _with_progress(failed, progress)
     if final:
         return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now)]
     later = (

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from apps.acceptance_app import mark, runner
-from taskrunner import TaskContext
+from taskrunner import Fail, TaskContext
 
 __all__ = ["runner"]
 
@@ -36,6 +36,25 @@ async def progress_sleep(params: ProgressParams, ctx: TaskContext) -> dict[str, 
         raise
     mark("finish", ctx)
     return {"slept": params.seconds}
+
+
+class StepParams(BaseModel):
+    steps: int
+    pause: float = 0.0
+    """Seconds to work after the first step (so renewals carry its progress meanwhile)."""
+    fail: bool = False
+
+
+@runner.task("progress_steps", max_failures=1)
+async def progress_steps(params: StepParams, ctx: TaskContext) -> int:
+    """Report progress at each step, the later ones at once, then return (or fail)."""
+    for step in range(1, params.steps + 1):
+        await ctx.progress(step / params.steps, f"step {step}")
+        if step == 1:
+            await asyncio.sleep(params.pause)
+    if params.fail:
+        raise Fail(f"failed after step {params.steps}")
+    return params.steps
 
 
 class GateParams(BaseModel):
