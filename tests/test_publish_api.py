@@ -216,15 +216,16 @@ async def test_a_task_not_from_a_runner_says_why_it_cannot_wait(runner: TaskRunn
 
 
 def test_a_closed_sync_facade_says_it_is_closed(runner: TaskRunner) -> None:
-    """Every SyncTaskRunner call after close() raises RunnerClosed (a TaskRunnerError) naming
-    the call, not asyncio's bare "Event loop is closed"; closing again is harmless."""
+    """Every SyncTaskRunner call after close(), and a wait on a task it returned, raises
+    RunnerClosed (a TaskRunnerError) naming the call, not asyncio's bare "Event loop is
+    closed"; closing again is harmless."""
     sync = runner.sync()
-    sync.publish("resize", {"width": 2}, key="c")
+    handle = sync.publish("resize", {"width": 2}, key="c")
     sync.close()
     calls: dict[str, Callable[[], object]] = {
         "publish": lambda: sync.publish("resize", {"width": 2}),
         "get": lambda: sync.get("c"),
-        "wait": lambda: sync.wait("c", timeout=1),
+        "wait": lambda: handle.wait(timeout=1),
         "cancel": lambda: sync.cancel("c"),
     }
     for operation, call in calls.items():
