@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 
 from taskrunner.errors import Retry
+
+if TYPE_CHECKING:
+    from taskrunner.runner import TaskRunner
 
 
 @dataclass
 class TaskContext:
     """Handed to every handler. ``run_id`` is the claim's fencing token: pass it to
     your own side effects (e.g. a conditional write) so a run that lost its claim
-    cannot act as the owner."""
+    cannot act as the owner. ``runner`` is the ``TaskRunner`` running this task:
+    publish follow-up tasks through it (``await ctx.runner.publish(...)``), so they go
+    where this task came from (the worker's database and collection, or a test's
+    memory store), whichever runner the handler's module defines."""
 
     key: str
     run_id: str
@@ -24,6 +30,9 @@ class TaskContext:
     logger: Any = field(default=None)
     cancelled: bool = False
     _progress: dict[str, Any] | None = field(default=None, repr=False)
+    runner: TaskRunner = field(kw_only=True, repr=False)
+    last_progress: dict[str, Any] | None = field(default=None, kw_only=True)
+    """The latest ``progress`` reported, sent or not: the outcome write carries it."""
 
     def __post_init__(self) -> None:
         if self.logger is None:
@@ -32,11 +41,11 @@ class TaskContext:
             )
 
     async def progress(self, fraction: float, message: str | None = None) -> None:
-        """Record progress (0..1) on this run's entry; it rides on the next ping, so
-        calling it often costs no round trips."""
+        """Record progress (0..1) on this run's entry; it rides on the next ping, and the
+        last one on the run's outcome, so calling it often costs no round trips."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be between 0 and 1, got {fraction}")
-        self._progress = {"fraction": float(fraction), "message": message}
+        self._progress = self.last_progress = {"fraction": float(fraction), "message": message}
 
     def snooze(self, seconds: float) -> NoReturn:
         """End this run now and run the task again ``seconds`` from now (server time),

@@ -3,7 +3,7 @@
 ::
 
     TaskRunnerError
-    ├── InvalidTask (ValueError)        bad input on publish; names the field
+    ├── InvalidTask (ValueError)        bad input on publish; names every bad field
     │   ├── InvalidParams               params fail the handler's model
     │   ├── UnknownTaskName (LookupError) publish: no handler has that name
     │   └── InvalidSchedule             a bad schedule declaration; names the field
@@ -14,6 +14,7 @@
     ├── UnknownHandler (LookupError)    no handler registered under that name
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
+    ├── RunnerClosed (RuntimeError)     a SyncTaskRunner used after close()
     ├── ConfigurationError              bad URI, settings or app reference
     │   └── ServerTooOld                MongoDB older than taskrunner needs; names both versions
     └── StoreError                      the database failed the operation
@@ -32,18 +33,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class TaskRunnerError(Exception):
     """Base class of every error taskrunner raises."""
 
 
 class InvalidTask(TaskRunnerError, ValueError):
-    """A task cannot be published as given; ``field`` names the offending part."""
+    """A task cannot be published as given. ``problems`` lists every offending part as
+    (dotted field path, message), so one call reports all that must change; ``field`` and
+    ``message`` are the first of them."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, more: Sequence[tuple[str, str]] = ()) -> None:
         self.field = field
         self.message = message
-        super().__init__(f"{field}: {message}")
+        self.problems: list[tuple[str, str]] = [(field, message), *more]
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        return "; ".join(f"{field}: {message}" for field, message in self.problems)
+
+    def place(self, prefix: str) -> None:
+        """Put every field path under ``prefix`` (e.g. ``tasks[1]``: an item of a batch)."""
+        self.problems = [(f"{prefix}.{field}", message) for field, message in self.problems]
+        self.field = self.problems[0][0]
+        self.args = (self._text(),)
 
 
 class InvalidParams(InvalidTask):
@@ -127,6 +142,17 @@ class ClaimLost(TaskRunnerError):
         self.key = key
         self.run_id = run_id
         super().__init__(f"claim lost on task {key!r} (run {run_id})")
+
+
+class RunnerClosed(TaskRunnerError, RuntimeError):
+    """A ``SyncTaskRunner`` was used after ``close()`` (or its ``with`` block ended): its
+    connection and event loop are gone; make a new one with ``runner.sync()``."""
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+        super().__init__(
+            f"cannot {operation}: this SyncTaskRunner is closed; make a new one with runner.sync()"
+        )
 
 
 class ConfigurationError(TaskRunnerError):

@@ -42,6 +42,7 @@ from taskrunner.models import Task, TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.retries import delay as retry_delay
+from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Claim, Failure, RunStatus, RunWrite, RunWriteKind, Store
 from taskrunner.writes import RunWrites
 
@@ -97,6 +98,12 @@ def storable(result: Any) -> Any:
     return result
 
 
+def _runner_on(store: Store, handlers: Handlers) -> TaskRunner:
+    runner = TaskRunner(store=store)
+    runner.handlers = handlers
+    return runner
+
+
 def error_of(exc: BaseException) -> TaskError:
     tb = "".join(traceback.format_exception(exc))
     return TaskError(type=type(exc).__qualname__, message=redact(str(exc)), traceback=redact(tb))
@@ -118,17 +125,21 @@ class Execution:
         heartbeat: Heartbeat | None = None,
         throttle: Callable[[Task, float], Awaitable[None]] | None = None,
         holds_slot: Callable[[str], Awaitable[bool]] | None = None,
+        runner: TaskRunner | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name
         when its handler raises ``RateLimited``. ``holds_slot``: whether the run still
-        holds its fleet-wide running slot, asked before its outcome is written."""
+        holds its fleet-wide running slot, asked before its outcome is written.
+        ``runner`` is the handler's ``ctx.runner`` (the worker's); a lone run gets one
+        on ``store`` with ``handlers``."""
         self.throttle, self.holds_slot = throttle, holds_slot
         self.observer: WorkerObserver = observer or NullObserver()
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
         self.heartbeat = Heartbeat(self.writes, worker_id) if heartbeat is None else heartbeat
         self.claim, self.store, self.handlers = claim, store, handlers
+        self.runner = runner if runner is not None else _runner_on(store, handlers)
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
         self.log = structlog.get_logger("taskrunner.run").bind(
@@ -155,7 +166,8 @@ class Execution:
             await self._write(Outcome(error=error_of(exc), final=isinstance(exc, InvalidParams)))
             self.observer.finished(self.task, "failure", 0.0)
             return
-        self.ctx = TaskContext(self.key, self.run_id, self.claim.entry.attempt, self.worker_id, params)
+        attempt = self.claim.entry.attempt
+        self.ctx = TaskContext(self.key, self.run_id, attempt, self.worker_id, params, runner=self.runner)
         self._handler = asyncio.create_task(
             self._attempts(registration, self.ctx), name=f"handler:{self.key}"
         )
@@ -285,7 +297,9 @@ class Execution:
             value = Failure(outcome.error, retry_in, outcome.final)
 
         async def write() -> None:
-            result = await self.writes.submit(RunWrite(kind, self.key, self.run_id, self.worker_id, value))
+            last = self.ctx.last_progress if self.ctx is not None else None  # rides on the outcome
+            run_write = RunWrite(kind, self.key, self.run_id, self.worker_id, value, progress=last)
+            result = await self.writes.submit(run_write)
             if isinstance(result, StoreError):
                 raise result
             if result is not RunStatus.DONE:

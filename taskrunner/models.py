@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal, Protocol, Self
+from typing import Annotated, Any, Generic, Literal, Protocol, Self, TypeVar
 
 import bson
 from pydantic import (
@@ -142,6 +143,13 @@ class TaskOptions(BaseModel):
             return {**data, f.BACKOFF: "fixed"}
         return data
 
+    @staticmethod
+    def set_by(names: Iterable[str]) -> frozenset[str]:
+        """The options a call naming ``names`` sets: ``retry_backoff`` without ``backoff``
+        sets ``backoff`` too (to ``"fixed"``, as validation does)."""
+        named = frozenset(names)
+        return named | {f.BACKOFF} if f.RETRY_BACKOFF in named else named
+
     @field_validator("worker_ids")
     @classmethod
     def _non_empty_ids(cls, ids: list[str]) -> list[str]:
@@ -237,6 +245,13 @@ class NewTask(BaseModel):
             )
         return name
 
+    def naming(self, fields: Iterable[str], options: Iterable[str] = ()) -> NewTask:
+        """This task as a publish call that named only ``fields`` (and, of the options,
+        ``options``) gives it: they become its ``model_fields_set`` and its options', which
+        is all ``update_pending`` rewrites of a stored task (``rules.pending_changes``)."""
+        named_options = TaskOptions.model_construct(_fields_set=set(options), **dict(self.options))
+        return NewTask.model_construct(_fields_set=set(fields), **{**dict(self), "options": named_options})
+
     @classmethod
     def build(cls, **values: Any) -> NewTask:
         """Validate, turning pydantic's error into ``InvalidTask`` naming the field."""
@@ -321,25 +336,38 @@ def first_error(exc: ValidationError) -> str:
 
 
 def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
-    """The first validation error as an ``InvalidTask`` naming its dotted field path."""
-    err = exc.errors()[0]
-    path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-    return cls(path or "task", err["msg"])
+    """Every problem of a validation error as one ``InvalidTask``, each naming its dotted
+    field path (pydantic reports all of a model's bad fields, not only the first)."""
+    problems = [
+        (".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "task", err["msg"])
+        for err in exc.errors()
+    ]
+    (field, message), *more = problems
+    return cls(field, message, more=more)
 
 
 class Waiter(Protocol):
-    """What ``Task.wait`` waits with: the ``TaskRunner`` (or sync facade) that returned it."""
+    """What ``Task.wait`` waits with: the ``TaskRunner`` that returned it."""
 
     async def wait(self, key: str, timeout: float | None = None) -> Task: ...  # noqa: ASYNC109
 
 
-class _Binding:
+class SyncWaiter(Protocol):
+    """What ``SyncTask.wait`` waits with: the ``SyncTaskRunner`` that returned it."""
+
+    def wait(self, key: str, timeout: float | None = None) -> SyncTask: ...
+
+
+W = TypeVar("W")
+
+
+class _Binding(Generic[W]):
     """The runner a task waits with. No part of the task's value: equal whatever it holds,
     shared by copies, and dropped by pickling (a runner holds a connection)."""
 
     __slots__ = ("waiter",)
 
-    def __init__(self, waiter: Waiter | None = None) -> None:
+    def __init__(self, waiter: W | None = None) -> None:
         self.waiter = waiter
 
     def __eq__(self, other: object) -> bool:
@@ -348,15 +376,26 @@ class _Binding:
     def __hash__(self) -> int:
         return 0
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Binding:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Binding[W]:
         return self
 
-    def __reduce__(self) -> tuple[type[_Binding], tuple[()]]:
+    def __reduce__(self) -> tuple[type[_Binding[W]], tuple[()]]:
         return _Binding, ()
 
 
-class Task(BaseModel):
-    """A stored task, read back from its document."""
+def _unbound(key: str) -> RuntimeError:
+    return RuntimeError(
+        f"task {key!r} was not returned by a TaskRunner (it was built or read "
+        "directly), so it knows no runner to wait with: use runner.wait(task.key)"
+    )
+
+
+class StoredTask(BaseModel):
+    """A stored task, read back from its document: every field, no way to wait.
+
+    Runners return it as a handle that can wait for it: ``Task`` from a ``TaskRunner``
+    (``await task.wait()``) and ``SyncTask`` from a ``SyncTaskRunner`` (``task.wait()``
+    blocks). Annotate ``StoredTask`` where code takes either."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -390,28 +429,9 @@ class Task(BaseModel):
     the first problem, ``field: message (got value)``; unreadable fields read as placeholders."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
-    _binding: _Binding = PrivateAttr(default_factory=_Binding)
-
-    async def wait(self, timeout: float | None = None) -> Task:  # noqa: ASYNC109
-        """Wait until this task is SUCCESS, FAIL or CANCELED and return it as stored then,
-        as ``runner.wait(task.key, timeout)`` does: raises ``WaitTimeout`` after ``timeout``
-        seconds. Works on tasks a ``TaskRunner`` or ``SyncTaskRunner`` returned."""
-        waiter = self._binding.waiter
-        if waiter is None:
-            raise RuntimeError(
-                f"task {self.key!r} was not returned by a TaskRunner (it was built or read "
-                "directly), so it knows no runner to wait with: use runner.wait(task.key)"
-            )
-        return await waiter.wait(self.key, timeout)
-
-    def bound(self, waiter: Waiter) -> Task:
-        """A copy whose ``wait`` waits with ``waiter`` (runners bind the tasks they return)."""
-        copy = self.model_copy()
-        copy._binding = _Binding(waiter)
-        return copy
 
     @classmethod
-    def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+    def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Self:
         """The task in ``doc``; raises ``MalformedTask`` naming the first field that does not read."""
         try:
             task = cls.model_validate({**doc, "problem": None, "created": created})
@@ -424,7 +444,7 @@ class Task(BaseModel):
         return task
 
     @classmethod
-    def read(cls, doc: dict[str, Any], *, created: bool = False) -> Task:
+    def read(cls, doc: dict[str, Any], *, created: bool = False) -> Self:
         """The task in ``doc`` even when the document does not follow the schema: then
         ``problem`` says why and each field that does not read holds a placeholder, so
         operators can list, show, cancel, retry and purge it."""
@@ -463,6 +483,54 @@ class Task(BaseModel):
     def last_error(self) -> TaskError | None:
         errors = self.errors
         return errors[-1] if errors else None
+
+
+class Task(StoredTask):
+    """A stored task as a ``TaskRunner`` returns it: ``await task.wait()`` waits for it."""
+
+    _binding: _Binding[Waiter] = PrivateAttr(default_factory=_Binding)
+
+    async def wait(self, timeout: float | None = None) -> Task:  # noqa: ASYNC109
+        """Wait until this task is SUCCESS, FAIL or CANCELED and return it as stored then,
+        as ``runner.wait(task.key, timeout)`` does: raises ``WaitTimeout`` after ``timeout``
+        seconds. Works on tasks a ``TaskRunner`` returned."""
+        waiter = self._binding.waiter
+        if waiter is None:
+            raise _unbound(self.key)
+        return await waiter.wait(self.key, timeout)
+
+    def bound(self, waiter: Waiter) -> Task:
+        """A copy whose ``wait`` waits with ``waiter`` (runners bind the tasks they return)."""
+        copy = self.model_copy()
+        copy._binding = _Binding(waiter)
+        return copy
+
+
+class SyncTask(StoredTask):
+    """A stored task as a ``SyncTaskRunner`` returns it: ``task.wait()`` blocks until it
+    finishes and returns it (a ``SyncTask`` again).
+
+    It is not a ``Task``: one method cannot both block and be awaited, so each handle has
+    its own ``wait`` and type checkers tell them apart (``await`` on this one's result, or
+    a ``Task.wait()`` left un-awaited, is an error under mypy)."""
+
+    _binding: _Binding[SyncWaiter] = PrivateAttr(default_factory=_Binding)
+
+    def wait(self, timeout: float | None = None) -> SyncTask:
+        """Block until this task is SUCCESS, FAIL or CANCELED and return it as stored then,
+        as ``sync_runner.wait(task.key, timeout)`` does: raises ``WaitTimeout`` after
+        ``timeout`` seconds, ``RunnerClosed`` once its ``SyncTaskRunner`` is closed."""
+        waiter = self._binding.waiter
+        if waiter is None:
+            raise _unbound(self.key)
+        return waiter.wait(self.key, timeout)
+
+    @classmethod
+    def of(cls, task: StoredTask, waiter: SyncWaiter) -> SyncTask:
+        """``task`` as a handle whose ``wait`` blocks on ``waiter``."""
+        handle = cls.model_construct(_fields_set=set(task.model_fields_set), **dict(task))
+        handle._binding = _Binding(waiter)
+        return handle
 
 
 class WorkerInfo(BaseModel):

@@ -13,7 +13,7 @@ worker_id, run_id, now)`` changes ``doc`` as the pipeline ``expressions.claim(wo
 run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_claimable`` /
 ``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
 ``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
-``pending_update``, ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
+``pending_update`` (both given ``pending_changes``), ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
 ``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
 generated documents and compares (docs/design.md, "One set of rules, twice").
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, overload
 
@@ -319,18 +320,29 @@ def ping(doc: Doc, entry: Doc, now: datetime, progress: Any = None) -> None:
     summarize(doc, now)
 
 
-def succeed(doc: Doc, entry: Doc, result: Any, now: datetime) -> None:
+def succeed(doc: Doc, entry: Doc, result: Any, now: datetime, progress: Any = None) -> None:
+    """Record the success, and the run's last ``progress`` unless None."""
     entry.update({f.STATE: EntryState.SUCCESS.value, f.RESULT: result, f.FINISHED_AT: now})
+    if progress is not None:
+        entry[f.PROGRESS] = progress
     summarize(doc, now)
 
 
 def fail(
-    doc: Doc, entry: Doc, error: Doc, now: datetime, retry_in: float | None = None, final: bool = False
+    doc: Doc,
+    entry: Doc,
+    error: Doc,
+    now: datetime,
+    retry_in: float | None = None,
+    final: bool = False,
+    progress: Any = None,
 ) -> None:
-    """Record the failure. A ``final`` one ends the task FAIL (``fatal``) without spending
-    budget; otherwise it counts, and the task is claimable again ``retry_in`` seconds
-    from now (None: ``retry_backoff``)."""
+    """Record the failure, and the run's last ``progress`` unless None. A ``final`` one ends
+    the task FAIL (``fatal``) without spending budget; otherwise it counts, and the task
+    is claimable again ``retry_in`` seconds from now (None: ``retry_backoff``)."""
     entry.update({f.STATE: EntryState.FAIL.value, f.ERROR: error, f.FINISHED_AT: now})
+    if progress is not None:
+        entry[f.PROGRESS] = progress
     if final:
         doc[f.FATAL] = True
         summarize(doc, now)
@@ -447,24 +459,56 @@ def updatable(doc: Doc) -> bool:
     return doc.get(f.STATE) == TaskState.PENDING.value and not started
 
 
+@dataclass(frozen=True)
+class PendingChanges:
+    """What ``update_pending`` rewrites on a stored task: only what the publish call named
+    (the ``NewTask``'s ``model_fields_set``), as Oban's ``replace: [...]`` names fields."""
+
+    fields: Doc
+    """Top-level values to set: ``params`` and ``priority``, when named."""
+    options: Doc
+    """Options to set, merged into the stored ones (which replace them whole when they are
+    not an object); ``ping_interval`` and ``ping_timeout`` go together, since a lease
+    needs the timeout above the interval, and the task checked them as a pair."""
+    whole_options: Doc
+    """Every option of the new task: stored when the stored options are not an object."""
+    run_time: bool
+    """``run_at`` or ``delay`` named: ``run_at`` and ``claimable_at`` move to that time."""
+
+
+PING_PAIR = frozenset({f.PING_INTERVAL, f.PING_TIMEOUT})
+
+
+def pending_changes(task: NewTask) -> PendingChanges:
+    """What ``update_pending`` rewrites with ``task``: the fields and options its call named."""
+    named = task.model_fields_set
+    fields: Doc = {name: getattr(task, name) for name in (f.PARAMS, f.PRIORITY) if name in named}
+    chosen = set(task.options.model_fields_set) if f.OPTIONS in named else set()
+    if chosen & PING_PAIR:
+        chosen |= PING_PAIR
+    whole = task.options.model_dump()
+    options = {name: value for name, value in whole.items() if name in chosen}
+    return PendingChanges(fields, options, whole, task.run_at is not None or task.delay is not None)
+
+
 def pending_update(doc: Doc, task: NewTask, now: datetime) -> None:
-    """``update_pending``: new params, priority, run_at and options; not a new task."""
-    run_at = start_time(task, now)
-    doc.update(
-        {
-            f.PARAMS: task.params,
-            f.PRIORITY: task.priority,
-            f.OPTIONS: task.options.model_dump(),
-            f.RUN_AT: run_at,
-            f.CLAIMABLE_AT: run_at,
-            f.UPDATED_AT: now,
-        }
-    )
-    if tally(doc.get(f.FAILURES)) < task.options.max_failures:
+    """``update_pending``: set what the call named (``pending_changes``), nothing else;
+    not a new task. A ``max_failures`` at or below the failures spent ends it FAIL."""
+    changes = pending_changes(task)
+    doc.update(changes.fields)
+    if changes.options:
+        stored = doc.get(f.OPTIONS)
+        doc[f.OPTIONS] = {**stored, **changes.options} if isinstance(stored, dict) else changes.whole_options
+    if changes.run_time:
+        run_at = start_time(task, now)
+        doc.update({f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at})
+    doc[f.UPDATED_AT] = now
+    budget = changes.options.get(f.MAX_FAILURES)
+    if budget is None or tally(doc.get(f.FAILURES)) < budget:
         doc.pop(f.FINISHED_AT, None)
         return
     doc[f.STATE] = TaskState.FAIL.value
-    doc.pop(f.CLAIMABLE_AT)
+    doc.pop(f.CLAIMABLE_AT, None)
     if not isinstance(doc.get(f.FINISHED_AT), datetime):
         doc[f.FINISHED_AT] = now
 

@@ -130,7 +130,8 @@ class TaskRunner:
         """Declare a recurring task: ``cron`` (5 fields, or 6 with leading seconds, in
         ``timezone``) or ``every`` (a duration). Each tick publishes one task keyed
         ``<id>@<tick, UTC ISO 8601>``; workers of this app store and fire it. Errors name
-        the field at declaration (``InvalidSchedule``); see docs/schedules.md."""
+        the field at declaration (``InvalidSchedule``): ``every`` below 1 s, an ``id``
+        (default: ``name``) declared already, ...; see docs/schedules.md."""
         probe = self.new_task(
             {"name": name, "params": params, "priority": priority, "key": "probe", **options},
             allow_unknown=allow_unknown,
@@ -149,6 +150,13 @@ class TaskRunner:
             jitter=jitter,
             grace=grace,
         )
+        declared = self.schedules.get(schedule.id)
+        if declared is not None:
+            raise InvalidSchedule(
+                "id",
+                f"schedule {schedule.id!r} is already declared (task {declared.name!r},"
+                f" {declared.recurrence.expression}); give this one its own id=",
+            )
         self.schedules[schedule.id] = schedule
         return schedule
 
@@ -204,7 +212,7 @@ class TaskRunner:
         params: Any = None,
         *,
         key: str | None = None,
-        priority: int = 0,
+        priority: int | None = None,
         run_at: datetime | None = None,
         delay: Duration | None = None,
         update_pending: bool = False,
@@ -214,10 +222,13 @@ class TaskRunner:
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
 
-        ``update_pending`` rewrites params, priority, run time and options of a task no
-        worker has started; ``republish_finished`` starts a finished key afresh. A runner
-        with handlers refuses a name none of them has (``UnknownTaskName``) unless
-        ``allow_unknown``: the task is for workers of another app.
+        ``update_pending`` rewrites, on a task no worker has started, only what this call
+        names: ``params``, ``priority``, the run time (``run_at`` or ``delay``) and each
+        option given; whatever is left out or None stays as stored (a new task gets
+        priority 0, params ``{}``, the handler's option defaults). ``republish_finished``
+        starts a finished key afresh. A runner with handlers refuses a name none of them
+        has (``UnknownTaskName``) unless ``allow_unknown``: the task is for workers of
+        another app.
         """
         spec = dict(
             name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
@@ -248,12 +259,7 @@ class TaskRunner:
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""
-        unknown = set(spec) - TASK_FIELDS - OPTION_NAMES
-        if unknown:
-            field = sorted(unknown)[0]
-            raise InvalidTask(
-                f"options.{field}", f"unknown option {field!r}; known: {', '.join(sorted(OPTION_NAMES))}"
-            )
+        _check_option_names(set(spec) - TASK_FIELDS)
         name = spec.get("name")
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
@@ -489,14 +495,23 @@ class TaskRunner:
 def _build(
     name: str, params: dict[str, Any], spec: Mapping[str, Any], registration: Registration | None
 ) -> NewTask:
+    """The task ``spec`` describes, recording what the call named: a keyword left out or
+    None is not named (``update_pending`` leaves that part of a stored task alone)."""
     given = {k: v for k, v in spec.items() if k in OPTION_NAMES and v is not None}
     options = {**(registration.options if registration else {}), **given}
     values = {k: spec.get(k) for k in ("key", "priority", "run_at", "delay") if spec.get(k) is not None}
     values.setdefault("key", uuid.uuid4().hex)
     try:
-        return NewTask.model_validate({**values, "name": name, "params": params, "options": options})
+        task = NewTask.model_validate({**values, "name": name, "params": params, "options": options})
     except ValidationError as exc:
         raise invalid_task(exc) from None
+    named = {
+        "name",
+        *values,
+        *(["params"] if spec.get("params") is not None else []),
+        *(["options"] if given else []),
+    }
+    return task.naming(named, TaskOptions.set_by(given))
 
 
 def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: Mapping[str, Any]) -> NewTask:
@@ -505,8 +520,7 @@ def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: M
     try:
         return build(spec)
     except InvalidTask as exc:
-        exc.field = f"tasks[{index}].{exc.field}"  # the same error, placed in the batch
-        exc.args = (f"{exc.field}: {exc.message}",)
+        exc.place(f"tasks[{index}]")  # the same error, placed in the batch
         raise
 
 
@@ -537,10 +551,13 @@ def _limit_name(name: str) -> str:
     return name
 
 
-def _check_option_names(options: Mapping[str, Any]) -> None:
-    for field in options:
-        if field not in OPTION_NAMES:
-            raise InvalidTask(f"options.{field}", f"unknown option {field!r}")
+def _check_option_names(names: Iterable[str]) -> None:
+    """Refuse, naming every one, the names that are not task options."""
+    unknown = sorted(set(names) - OPTION_NAMES)
+    if unknown:
+        known = ", ".join(sorted(OPTION_NAMES))
+        (field, message), *more = [(f"options.{u}", f"unknown option {u!r}; known: {known}") for u in unknown]
+        raise InvalidTask(field, message, more=more)
 
 
 class _Following:

@@ -35,6 +35,10 @@ log = structlog.get_logger("taskrunner.schedules")
 BACKUP_DELAY = 1.0  # seconds a worker of rank n waits (times n) after a tick before firing it
 MAX_SLEEP = 5.0  # the loop looks at the documents at least this often (pause, resume, edits)
 DEFAULT_GRACE = 5.0  # seconds after its time a tick still counts as on time (not missed)
+MIN_EVERY = timedelta(seconds=1)
+"""The shortest ``every``: the finest tick a cron expression names (its seconds field), and
+the scheduler's step (workers back each other up a second apart, each after reading the
+schedule). Work due more often than that is a loop in a handler or a worker, not a schedule."""
 
 
 class Schedule(BaseModel):
@@ -151,6 +155,13 @@ def declare(
 ) -> Schedule:
     """Validate a declaration; every error is an ``InvalidSchedule`` naming the field."""
     recurrence = parse(cron=cron, every=every, timezone=timezone)
+    if recurrence.every is not None and recurrence.every < MIN_EVERY:
+        raise InvalidSchedule(
+            "every",
+            f"must be at least 1 s, not {recurrence.every.total_seconds():g} s: ticks are whole"
+            " seconds at their finest (as a cron seconds field), so a faster schedule would only"
+            " publish a stream of tasks",
+        )
     if catch_up not in CATCH_UPS:
         raise InvalidSchedule("catch_up", f"must be one of {', '.join(CATCH_UPS)}, not {catch_up!r}")
     if isinstance(max_catch_up, bool) or not isinstance(max_catch_up, int) or max_catch_up < 1:

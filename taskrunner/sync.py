@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from taskrunner.errors import WaitTimeout
-from taskrunner.models import Task
+from taskrunner.errors import RunnerClosed, WaitTimeout
+from taskrunner.models import SyncTask, Task
 from taskrunner.preflight import ServerCheck
 from taskrunner.store.memory import MemoryStore
 
@@ -27,9 +26,9 @@ T = TypeVar("T")
 class SyncTaskRunner:
     """``TaskRunner``'s publish and inspection methods, blocking (``runner.sync()``).
 
-    In blocking code wait with ``sync_runner.wait(task.key, timeout)``: ``Task.wait`` is a
-    coroutine, awaited in async code; on a task this facade returned it works from any
-    event loop (the wait runs on the facade's own loop).
+    The tasks it returns are ``SyncTask`` handles: ``task.wait(timeout)`` blocks, as
+    ``sync_runner.wait(task.key, timeout)`` does. After ``close()`` every call raises
+    ``RunnerClosed``.
     """
 
     def __init__(self, runner: TaskRunner) -> None:
@@ -40,51 +39,66 @@ class SyncTaskRunner:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="taskrunner-sync", daemon=True)
         self._thread.start()
-        self._waiter = _OnLoop(self._runner, self._loop)
+        # Held while a call is handed to the loop and while close() stops it: a call either
+        # reaches a running loop or sees the facade closed, never waits on a stopped loop.
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _call(self, operation: str, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._closed:
+                coro.close()  # never started: no "never awaited" warning
+                raise RunnerClosed(operation)
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result()
 
-    def _task(self, coro: Coroutine[Any, Any, Task]) -> Task:
+    def _task(self, operation: str, coro: Coroutine[Any, Any, Task]) -> SyncTask:
         """Run ``coro`` on the facade's loop; the task it returns waits through the facade."""
-        with _rebinding(self._waiter):
-            return self._call(coro).bound(self._waiter)
+        try:
+            return SyncTask.of(self._call(operation, coro), self)
+        except WaitTimeout as exc:
+            if isinstance(exc.task, Task):
+                exc.task = SyncTask.of(exc.task, self)  # the last state seen, waitable here too
+            raise
 
-    def publish(self, name: str, params: Any = None, **kwargs: Any) -> Task:
+    def publish(self, name: str, params: Any = None, **kwargs: Any) -> SyncTask:
         """``TaskRunner.publish``, blocking."""
-        return self._task(self._runner.publish(name, params, **kwargs))
+        return self._task("publish", self._runner.publish(name, params, **kwargs))
 
-    def publish_many(self, tasks: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[Task]:
+    def publish_many(self, tasks: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[SyncTask]:
         """``TaskRunner.publish_many``, blocking."""
-        published = self._call(self._runner.publish_many(list(tasks), **kwargs))
-        return [task.bound(self._waiter) for task in published]
+        published = self._call("publish_many", self._runner.publish_many(list(tasks), **kwargs))
+        return [SyncTask.of(task, self) for task in published]
 
-    def get(self, key: str) -> Task:
+    def get(self, key: str) -> SyncTask:
         """``TaskRunner.get``, blocking."""
-        return self._task(self._runner.get(key))
+        return self._task("get", self._runner.get(key))
 
     def init(self, *, validator: bool = False) -> ServerCheck:
         """``TaskRunner.init``, blocking."""
-        return self._call(self._runner.init(validator=validator))
+        return self._call("init", self._runner.init(validator=validator))
 
-    def wait(self, key: str, timeout: float | None = None, *, poll_interval: float = 1.0) -> Task:
+    def wait(self, key: str, timeout: float | None = None, *, poll_interval: float = 1.0) -> SyncTask:
         """``TaskRunner.wait``, blocking: the finished task, or ``WaitTimeout``."""
-        return self._task(self._runner.wait(key, timeout, poll_interval=poll_interval))
+        return self._task("wait", self._runner.wait(key, timeout, poll_interval=poll_interval))
 
-    def cancel(self, key: str) -> Task:
+    def cancel(self, key: str) -> SyncTask:
         """``TaskRunner.cancel``, blocking."""
-        return self._task(self._runner.cancel(key))
+        return self._task("cancel", self._runner.cancel(key))
 
-    def retry(self, key: str) -> Task:
+    def retry(self, key: str) -> SyncTask:
         """``TaskRunner.retry``, blocking."""
-        return self._task(self._runner.retry(key))
+        return self._task("retry", self._runner.retry(key))
 
     def close(self) -> None:
         """Close the connection and stop the facade's loop (idempotent)."""
-        if self._loop.is_closed():
+        try:
+            self._call("close", self._runner.close())
+        except RunnerClosed:
             return
-        self._call(self._runner.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        with self._lock:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
 
@@ -93,27 +107,3 @@ class SyncTaskRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _OnLoop:
-    """``Task.wait`` for the facade's tasks: awaits, from any event loop, a wait that runs
-    on the facade's loop (where its store's client lives)."""
-
-    def __init__(self, runner: TaskRunner, loop: asyncio.AbstractEventLoop) -> None:
-        self._runner, self._loop = runner, loop
-
-    async def wait(self, key: str, timeout: float | None = None) -> Task:  # noqa: ASYNC109
-        future = asyncio.run_coroutine_threadsafe(self._runner.wait(key, timeout), self._loop)
-        with _rebinding(self):
-            return (await asyncio.wrap_future(future)).bound(self)
-
-
-@contextmanager
-def _rebinding(waiter: _OnLoop) -> Iterator[None]:
-    """A ``WaitTimeout`` leaving the block carries the last task seen bound to ``waiter``."""
-    try:
-        yield
-    except WaitTimeout as exc:
-        if isinstance(exc.task, Task):
-            exc.task = exc.task.bound(waiter)
-        raise

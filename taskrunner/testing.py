@@ -135,10 +135,26 @@ class ManualClock:
 
 
 def make_context(
-    params: Any = None, *, key: str = "test", attempt: int = 1, worker_id: str = "test-worker"
+    params: Any = None,
+    *,
+    key: str = "test",
+    attempt: int = 1,
+    worker_id: str = "test-worker",
+    runner: TaskRunner | None = None,
 ) -> TaskContext:
-    """A ``TaskContext`` for calling a handler directly, as a worker would on that attempt."""
-    return TaskContext(key=key, run_id=uuid4().hex, attempt=attempt, worker_id=worker_id, params=params)
+    """A ``TaskContext`` for calling a handler directly, as a worker would on that attempt.
+
+    ``ctx.runner`` is ``runner`` (e.g. a ``memory_runner(app)``), else a runner of its own
+    on a fresh ``MemoryStore``: what the handler publishes through it stays in memory,
+    readable as ``await ctx.runner.get(key)``."""
+    return TaskContext(
+        key=key,
+        run_id=uuid4().hex,
+        attempt=attempt,
+        worker_id=worker_id,
+        params=params,
+        runner=runner if runner is not None else TaskRunner(store=MemoryStore()),
+    )
 
 
 class MemoryRunnerFactory(Protocol):

@@ -753,6 +753,7 @@ class Worker:
             heartbeat=self.heartbeat,
             throttle=self._throttle,
             holds_slot=self.gates.holds_slot,
+            runner=self.runner,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)

@@ -19,10 +19,10 @@ from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, Task, TaskRunner, TaskState
+from taskrunner import EntryState, SyncTask, Task, TaskRunner, TaskState
 from taskrunner import fields as f
 from taskrunner.cli import app
-from taskrunner.errors import WaitTimeout
+from taskrunner.errors import TaskNotFound, WaitTimeout
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
@@ -96,7 +96,7 @@ async def test_wait_returns_results_errors_and_honours_its_timeout(
     assert "did not finish within 1 s (still PENDING)" in cli["stuck"].stderr
 
 
-def _sync_waits(runner: TaskRunner) -> tuple[Task, float]:
+def _sync_waits(runner: TaskRunner) -> tuple[SyncTask, float]:
     """The sync facade's wait: a finished task, then the seconds a 0.5 s timeout took."""
     with runner.sync() as facade:
         synced = facade.wait("ok", 30)
@@ -104,6 +104,69 @@ def _sync_waits(runner: TaskRunner) -> tuple[Task, float]:
         with pytest.raises(WaitTimeout):
             facade.wait("stuck", 0.5)
         return synced, time.monotonic() - began
+
+
+async def test_a_handlers_follow_up_goes_where_its_worker_runs(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """A handler publishing through ``ctx.runner`` in a ``taskrunner worker`` process puts the
+    follow-up in the worker's collection, where it runs, not where the app module's own
+    runner points (the default ``tasks`` collection)."""
+    key = f"{collection_name}-first"
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        await runner.publish("follow_up", key=key)
+        first = await runner.wait(key, timeout=60)
+        follow_up = await runner.wait(f"{key}:next", timeout=60)
+    assert first.state is TaskState.SUCCESS and first.results == [f"{key}:next"]
+    assert follow_up.state is TaskState.SUCCESS and follow_up.name == "quick"
+    async with TaskRunner(mongo_uri) as module_default:
+        with pytest.raises(TaskNotFound):
+            await module_default.get(f"{key}:next")
+
+
+async def test_update_pending_leaves_a_delayed_tasks_run_time_alone(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``publish --update-pending --priority 7`` on a task delayed an hour changes its
+    priority only: a worker does not run it (a task published after it runs first), and
+    its run time, params and options stay as published."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        delayed = ["publish", "quick", "--key", "up1", "--params", '{"n": 1}', "--delay", "3600"]
+        assert (await ainvoke(runner, *delayed, "--max-failures", "5")).exit_code == 0
+        before = await runner.get("up1")
+        updated = await ainvoke(
+            runner, "publish", "quick", "--key", "up1", "--update-pending", "--priority", "7"
+        )
+        assert updated.exit_code == 0, updated.output
+        await runner.publish("quick", key="probe")
+        assert (await runner.wait("probe", timeout=60)).state is TaskState.SUCCESS
+    after = await runner.get("up1")
+    assert after.state is TaskState.PENDING and after.workers == [] and after.priority == 7
+    assert (after.run_at, after.params, after.options) == (before.run_at, {"n": 1}, before.options)
+
+
+async def test_a_finished_runs_entry_holds_its_last_progress(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """The outcome write carries the run's last progress, on success and on failure: a run
+    shorter than the ping interval shows its final step, and a run whose renewals carried
+    an earlier step shows the final one, not the last renewal's."""
+    steps = [
+        {"name": "progress_steps", "key": "short", "params": {"steps": 32}},
+        {"name": "progress_steps", "key": "failed", "params": {"steps": 3, "fail": True}},
+        {"name": "progress_steps", "key": "long", "params": {"steps": 32, "pause": 1.5}, **PING},
+    ]
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app=OPS_APP) as pool:
+        pool.start("w1")
+        await runner.publish_many(steps)
+        done = [await runner.wait(str(step["key"]), timeout=60) for step in steps]
+    assert [(t.state, [w.progress for w in t.workers]) for t in done] == [
+        (TaskState.SUCCESS, [{"fraction": 1.0, "message": "step 32"}]),
+        (TaskState.FAIL, [{"fraction": 1.0, "message": "step 3"}]),
+        (TaskState.SUCCESS, [{"fraction": 1.0, "message": "step 32"}]),
+    ]
 
 
 # -- cancel and retry -----------------------------------------------------------------------

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import copy
 import pickle
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from taskrunner import (
     InvalidParams,
     InvalidTask,
     MemoryStore,
+    RunnerClosed,
+    SyncTask,
     Task,
     TaskContext,
     TaskRunner,
@@ -86,6 +90,27 @@ async def test_invalid_params_raise_invalid_params(runner: TaskRunner) -> None:
     """Params failing the model are InvalidParams (a subclass of InvalidTask)."""
     with pytest.raises(InvalidParams, match=r"params\.width"):
         await runner.publish("resize", {"width": "x"})
+
+
+async def test_invalid_params_name_every_bad_field(runner: TaskRunner) -> None:
+    """InvalidParams names every field the model refuses (pydantic's errors), not only the
+    first; ``field`` is the first, ``problems`` all of them, in a batch under its index."""
+    bad = {"width": "wide", "height": "tall"}
+    with pytest.raises(InvalidParams) as info:
+        await runner.publish("resize", bad)
+    assert [f for f, _ in info.value.problems] == ["params.width", "params.height"]
+    assert info.value.field == "params.width"
+    assert "params.width: " in str(info.value) and "; params.height: " in str(info.value)
+    with pytest.raises(InvalidTask) as batch:
+        await runner.publish_many(
+            [{"name": "resize", "params": {"width": 1}}, {"name": "resize", "params": bad}]
+        )
+    assert [f for f, _ in batch.value.problems] == ["tasks[1].params.width", "tasks[1].params.height"]
+    assert str(batch.value).count("tasks[1].params.") == 2
+    with pytest.raises(InvalidTask) as options:
+        await runner.publish("resize", {"width": 1}, nope=1, bogus=2)
+    assert [f for f, _ in options.value.problems] == ["options.bogus", "options.nope"]
+    assert await runner.store.count() == 0
 
 
 async def test_unregistered_names_take_plain_json_dicts(runner: TaskRunner) -> None:
@@ -190,16 +215,46 @@ async def test_a_task_not_from_a_runner_says_why_it_cannot_wait(runner: TaskRunn
     assert (await raw.bound(runner).wait(timeout=5)).state is TaskState.CANCELED
 
 
-def test_sync_facade_tasks_wait_from_any_event_loop(runner: TaskRunner) -> None:
-    """A task the sync facade returned waits (awaited in another loop) through the facade's loop."""
+def test_a_closed_sync_facade_says_it_is_closed(runner: TaskRunner) -> None:
+    """Every SyncTaskRunner call after close(), and a wait on a task it returned, raises
+    RunnerClosed (a TaskRunnerError) naming the call, not asyncio's bare "Event loop is
+    closed"; closing again is harmless."""
+    sync = runner.sync()
+    handle = sync.publish("resize", {"width": 2}, key="c")
+    sync.close()
+    calls: dict[str, Callable[[], object]] = {
+        "publish": lambda: sync.publish("resize", {"width": 2}),
+        "get": lambda: sync.get("c"),
+        "wait": lambda: handle.wait(timeout=1),
+        "cancel": lambda: sync.cancel("c"),
+    }
+    for operation, call in calls.items():
+        with pytest.raises(RunnerClosed, match=rf"^cannot {operation}: this SyncTaskRunner is closed"):
+            call()
+    sync.close()
+
+
+def test_sync_facade_tasks_wait_by_blocking(runner: TaskRunner) -> None:
+    """A task the sync facade returned is a SyncTask whose ``wait()`` blocks and returns the
+    finished task (a coroutine would do nothing when called from sync code); a WaitTimeout
+    carries the last state seen as a SyncTask that can wait again."""
     with runner.sync() as sync:
         task = sync.publish("resize", {"width": 2}, key="s")
+        assert isinstance(task, SyncTask) and not isinstance(task, Task)
         with pytest.raises(WaitTimeout) as info:
-            asyncio.run(task.wait(timeout=0.05))
-        assert isinstance(info.value.task, Task) and info.value.task.state is TaskState.PENDING
-        sync.cancel("s")
-        assert asyncio.run(task.wait(timeout=5)).state is TaskState.CANCELED
-        assert sync.wait("s", timeout=5).state is TaskState.CANCELED
+            task.wait(timeout=0.05)
+        seen = info.value.task
+        assert isinstance(seen, SyncTask) and seen.state is TaskState.PENDING
+        done = threading.Thread(target=sync.cancel, args=("s",))
+        done.start()
+        finished = seen.wait(timeout=30)
+        done.join()
+        assert isinstance(finished, SyncTask) and finished.state is TaskState.CANCELED
+        assert sync.get("s").wait(timeout=5).state is TaskState.CANCELED
+        assert [
+            t.wait(timeout=5).key
+            for t in sync.publish_many([{"name": "resize", "key": "s", "params": {"width": 1}}])
+        ] == ["s"]
 
 
 def test_the_package_ships_its_type_information() -> None:

@@ -118,6 +118,32 @@ def test_bad_declarations_name_the_field(kwargs: dict[str, Any], field: str) -> 
     assert caught.value.field == field, caught.value
 
 
+def test_every_is_at_least_one_second() -> None:
+    """``every`` below 1 s (the finest tick a cron expression names, and the scheduler's
+    step) is refused naming ``every`` and the bound; 1 s is accepted."""
+    runner = app()
+    for fast in (0.001, 0.999, timedelta(milliseconds=500)):
+        with pytest.raises(InvalidSchedule, match=r"^every: .*at least 1 s") as caught:
+            runner.schedule("report", every=fast, params={"day": 1})
+        assert caught.value.field == "every"
+    assert runner.schedules == {}
+    assert runner.schedule("report", every=1, params={"day": 1}).every == 1.0
+
+
+def test_a_second_schedule_with_the_same_id_is_refused() -> None:
+    """Declaring a schedule id twice raises InvalidSchedule naming ``id`` (the first keeps
+    firing, unchanged); a second schedule of one task needs its own id."""
+    runner = app()
+    first = runner.schedule("report", every=60, params={"day": 1})
+    with pytest.raises(InvalidSchedule, match=r"^id: schedule 'report' is already declared") as caught:
+        runner.schedule("report", cron="0 * * * *", params={"day": 2})
+    assert caught.value.field == "id"
+    with pytest.raises(InvalidSchedule, match="already declared"):
+        runner.schedule("report", id="report", every=30, params={"day": 3})
+    other = runner.schedule("report", id="report-hourly", cron="0 * * * *", params={"day": 2})
+    assert runner.schedules == {"report": first, "report-hourly": other}
+
+
 def test_params_and_options_are_checked_at_declaration() -> None:
     """A schedule's params must fit the handler's model and its options must exist."""
     with pytest.raises(InvalidTask, match=r"params\.day"):

@@ -29,7 +29,16 @@ from taskrunner import (
 from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, ClaimLost, InvalidState, ScheduleNotFound
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules import declare
-from taskrunner.store.base import ChangeEvent, ChangeStream, Claimed, Failure, RunStatus, RunWrite, Store
+from taskrunner.store.base import (
+    ChangeEvent,
+    ChangeStream,
+    Claimed,
+    Failure,
+    RunStatus,
+    RunWrite,
+    RunWriteKind,
+    Store,
+)
 from taskrunner.store.mongo import MongoStore
 
 pytestmark = pytest.mark.mongo
@@ -313,6 +322,26 @@ async def test_update_pending_and_republish_finished(store: Store) -> None:
     [again] = await publish(store, task("u", params={"v": 4}), republish_finished=True)
     assert again.created and again.state is TaskState.PENDING and again.workers == []
     assert again.params == {"v": 4} and await store.count() == 1
+
+
+async def test_update_pending_rewrites_only_what_the_call_names(store: Store) -> None:
+    """update_pending changes only the fields and options its publish call named: a new
+    priority keeps a delayed task's run time, params and options; an option merges into
+    the stored ones; ``delay=0`` moves the run time to now; a bare key changes nothing."""
+    options = {"concurrency": 2, "max_failures": 5}
+    [first] = await publish(store, task("d", params={"v": 1}, delay=3600, priority=1, options=options))
+    [prior] = await publish(store, task("d", priority=7), update_pending=True)
+    assert (prior.priority, prior.run_at, prior.claimable_at) == (7, first.run_at, first.run_at)
+    assert prior.params == {"v": 1} and prior.options == first.options
+    assert await store.claim("w1", key="d") is None
+    [merged] = await publish(store, task("d", options={"max_failures": 4}), update_pending=True)
+    assert (merged.options.max_failures, merged.options.concurrency, merged.run_at) == (4, 2, first.run_at)
+    [same] = await publish(store, task("d"), update_pending=True)
+    assert same.model_dump(exclude={"updated_at"}) == merged.model_dump(exclude={"updated_at"})
+    [due] = await publish(store, task("d", delay=0), update_pending=True)
+    assert due.run_at < first.run_at and (due.priority, due.params) == (7, {"v": 1})
+    claim = await store.claim("w1", key="d")
+    assert claim is not None
 
 
 @pytest.mark.parametrize(
@@ -956,6 +985,34 @@ async def test_write_runs_renews_and_finishes_many_runs_and_names_each_lost_one(
     assert (await store.get("r3")).state is TaskState.SUCCESS and (await store.get("r3")).results == [42]
     assert (await store.get("r4")).results == ["first"]
     assert (await store.get("r1")).workers == []
+
+
+async def test_an_outcome_writes_the_runs_last_progress_with_it(store: Store) -> None:
+    """A success or failure carrying progress writes it on the run's entry in the same
+    write (the quick success and the pipeline alike); one carrying none keeps the entry's."""
+    await publish(store, *(task(k, options={"max_failures": 1}) for k in ("one", "fails", "kept")))
+    await publish(store, task("shared", options={"concurrency": 2}))
+    keys = ["one", "fails", "kept", "shared"]
+    claims = {c.task.key: c for c in (await store.claim_many("w1", keys)).claims}
+    done = {"fraction": 1.0, "message": "done"}
+    await runs.ping(store, "kept", claims["kept"].run_id, progress={"fraction": 0.5, "message": "half"})
+
+    def outcome(key: str, value: Any, progress: Any = done) -> RunWrite:
+        kind: RunWriteKind = "failure" if isinstance(value, Failure) else "success"
+        return RunWrite(kind, key, claims[key].run_id, "w1", value, progress=progress)
+
+    failure = Failure(TaskError(type="X", message="m"), final=True)
+    writes = [outcome("one", 1), outcome("fails", failure), outcome("kept", 3, None), outcome("shared", 4)]
+    assert await store.write_runs(writes) == [RunStatus.DONE] * 4
+    progress = {
+        k: [w.progress for w in (await store.get(k)).workers] for k in ("one", "fails", "kept", "shared")
+    }
+    assert progress == {
+        "one": [done],
+        "fails": [done],
+        "kept": [{"fraction": 0.5, "message": "half"}],
+        "shared": [done],
+    }
 
 
 async def test_write_runs_refuses_a_renewal_once_worker_ids_exclude_the_worker(

@@ -37,7 +37,7 @@ from scratch import STORE_DATABASE, TEST_MONGO_URI, drop_collection, new_collect
 
 from taskrunner import fields as f
 from taskrunner import rules
-from taskrunner.models import EntryState, NewTask, TaskState
+from taskrunner.models import EntryState, NewTask, TaskOptions, TaskState
 from taskrunner.store import expressions as x
 from taskrunner.store.memory import MemoryStore
 
@@ -526,15 +526,21 @@ def _run_write(apply: Callable[[Doc, Doc], None], run_id: str) -> Callable[[Doc]
 
 
 RESULTS = st.sampled_from([None, 7, {"rows": [1, None]}])
+LAST_PROGRESS = st.sampled_from([None, {"fraction": 1.0, "message": "step 32"}])
+"""An outcome's last progress: none reported (the entry keeps its own), or one."""
 
 
 @twins
-@given(docs=batches(), run_id=RUNS, result=RESULTS)
-def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> None:
-    """``succeed`` under ``running_entry`` writes what ``rules.succeed`` writes."""
+@example(docs=batch(task({}, entry({f.PROGRESS: {"fraction": 0.5}}))), run_id="r1", result=7, progress=None)
+@given(docs=batches(), run_id=RUNS, result=RESULTS, progress=LAST_PROGRESS)
+def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any, progress: Any) -> None:
+    """``succeed`` under ``running_entry`` writes what ``rules.succeed`` writes, the run's
+    last progress included."""
     server.load(docs)
-    matched, found = server.updated(x.running_entry("k", run_id), x.succeed(run_id, result, NOW))
-    chosen, expected = python_twin(docs, _run_write(lambda d, e: rules.succeed(d, e, result, NOW), run_id))
+    update = x.succeed(run_id, result, NOW, progress)
+    matched, found = server.updated(x.running_entry("k", run_id), update)
+    succeed = _run_write(lambda d, e: rules.succeed(d, e, result, NOW, copy.deepcopy(progress)), run_id)
+    chosen, expected = python_twin(docs, succeed)
     assert_same_choice(chosen, matched, docs, "success")
     assert_same(expected, found, docs)
 
@@ -544,15 +550,18 @@ def test_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> 
     docs=batch(task({f.FATAL: True}, entry()), task({f.FINISHED_AT: NOW - SECOND}, entry())),
     run_id="r1",
     result=7,
+    progress=None,
 )
-@given(docs=batches(), run_id=RUNS, result=RESULTS)
-def test_quick_success(server: Scratch, docs: list[Doc], run_id: str, result: Any) -> None:
-    """Where ``quick_succeed`` matches, it writes what ``rules.succeed`` writes, and it
-    matches only documents the pipeline's fence matches."""
+@example(docs=batch(task({}, entry())), run_id="r1", result=7, progress={"fraction": 1.0, "message": "done"})
+@given(docs=batches(), run_id=RUNS, result=RESULTS, progress=LAST_PROGRESS)
+def test_quick_success(server: Scratch, docs: list[Doc], run_id: str, result: Any, progress: Any) -> None:
+    """Where ``quick_succeed`` matches, it writes what ``rules.succeed`` writes, the run's
+    last progress included, and it matches only documents the pipeline's fence matches."""
     server.load(docs)
-    query, update, array_filters = x.quick_succeed("k", run_id, result, NOW)
+    query, update, array_filters = x.quick_succeed("k", run_id, result, NOW, progress)
     matched, found = server.updated(query, update, array_filters=array_filters)
-    chosen, expected = python_twin(docs, _run_write(lambda d, e: rules.succeed(d, e, result, NOW), run_id))
+    succeed = _run_write(lambda d, e: rules.succeed(d, e, result, NOW, copy.deepcopy(progress)), run_id)
+    chosen, expected = python_twin(docs, succeed)
     assert matched <= chosen
     unchanged = {d[f.ID]: d for d in docs if d[f.ID] not in matched}
     assert_same({i: expected[i] for i in matched} | unchanged, found, docs)
@@ -567,21 +576,26 @@ ERROR = {f.ERROR_TYPE: "ValueError", f.ERROR_MESSAGE: "no", f.ERROR_TRACEBACK: N
     run_id="r1",
     retry_in=None,
     final=False,
+    progress={"fraction": 1.0, "message": "done"},
 )
 @given(
     docs=batches(),
     run_id=RUNS,
     retry_in=st.sampled_from([None, 0, 0.001, 5]),
     final=st.booleans(),
+    progress=LAST_PROGRESS,
 )
-def test_failure(server: Scratch, docs: list[Doc], run_id: str, retry_in: float | None, final: bool) -> None:
-    """``fail`` under ``running_entry`` writes what ``rules.fail`` writes, final or not."""
+def test_failure(
+    server: Scratch, docs: list[Doc], run_id: str, retry_in: float | None, final: bool, progress: Any
+) -> None:
+    """``fail`` under ``running_entry`` writes what ``rules.fail`` writes, final or not, the
+    run's last progress included."""
     server.load(docs)
-    update = x.fail(run_id, ERROR, retry_in, final, NOW)
+    update = x.fail(run_id, ERROR, retry_in, final, NOW, progress)
     matched, found = server.updated(x.running_entry("k", run_id), update)
 
     def fail(doc: Doc, entry: Doc) -> None:
-        rules.fail(doc, entry, dict(ERROR), NOW, retry_in, final)
+        rules.fail(doc, entry, dict(ERROR), NOW, retry_in, final, copy.deepcopy(progress))
 
     chosen, expected = python_twin(docs, _run_write(fail, run_id))
     assert_same_choice(chosen, matched, docs, "failure")
@@ -633,37 +647,59 @@ def test_cancel(server: Scratch, docs: list[Doc]) -> None:
     assert_same(expected, found, docs)
 
 
-new_tasks = st.builds(
-    lambda concurrency, max_failures, run_at, delay: NewTask.build(
-        key="k",
-        name="job",
-        params={"n": 1},
-        priority=1,
-        options={f.CONCURRENCY: concurrency, f.MAX_FAILURES: max_failures},
-        **({"run_at": run_at} if run_at is not None else {"delay": delay}),
-    ),
-    st.integers(1, 2),
-    st.integers(1, 3),
-    st.one_of(st.none(), dates),
-    st.sampled_from([None, 0, 1.5]),
+def new_task(**named: Any) -> NewTask:
+    """The task of key "k" a publish call naming only ``named`` gives (what it updates)."""
+    return NewTask.build(key="k", name="job", **named)
+
+
+named_options = st.fixed_dictionaries(
+    {},
+    optional={
+        f.CONCURRENCY: st.integers(1, 2),
+        f.MAX_FAILURES: st.integers(1, 3),
+        f.PING_TIMEOUT: st.just(60.0),
+        f.RETRY_BACKOFF: st.just(5.0),
+    },
 )
+new_tasks = st.builds(
+    lambda params, priority, options, start: new_task(**params, **priority, **options, **start),
+    st.sampled_from([{}, {f.PARAMS: {"n": 1}}]),
+    st.sampled_from([{}, {f.PRIORITY: 1}]),
+    st.one_of(st.just({}), named_options.map(lambda o: {f.OPTIONS: o})),
+    st.one_of(
+        st.just({}), dates.map(lambda d: {f.RUN_AT: d}), st.sampled_from([0, 1.5]).map(lambda s: {"delay": s})
+    ),
+)
+"""Publish calls naming any part of a task: params, priority, some options, a run time."""
 
 
 @twins
 @example(  # a finished task left as it is; a PENDING one loses a stale finished_at; a bare key is written over
     docs=batch(task({**ENDED, f.CLAIMABLE_AT: NOW}), task({f.FINISHED_AT: NOW - SECOND}), {f.KEY: "k"}),
-    task=NewTask.build(key="k", name="job"),
+    task=new_task(),
+    republish_finished=False,
+)
+@example(  # only the priority: a delayed task keeps its run time, params and options
+    docs=batch(task({f.RUN_AT: NOW + 3600 * SECOND, f.CLAIMABLE_AT: NOW + 3600 * SECOND})),
+    task=new_task(priority=7),
+    republish_finished=False,
+)
+@example(  # options merge into the stored ones, the ping pair together; options that are not
+    # an object are replaced whole; a max_failures at the failures spent ends the task FAIL
+    docs=batch(task({f.FAILURES: 2}), task({f.OPTIONS: "x"}), task({f.OPTIONS: MISSING})),
+    task=new_task(options={f.MAX_FAILURES: 2, f.PING_TIMEOUT: 60.0}),
     republish_finished=False,
 )
 @given(docs=batches(), task=new_tasks, republish_finished=st.booleans())
 def test_publish_update(server: Scratch, docs: list[Doc], task: NewTask, republish_finished: bool) -> None:
     """On an existing task, ``publish`` writes what the memory store's publish writes:
-    ``rules.pending_update`` where ``rules.updatable``, a fresh document where finished
-    and republished, else nothing."""
+    ``rules.pending_update`` of what the call named where ``rules.updatable``, a fresh
+    document where finished and republished, else nothing."""
     server.load(docs)
     new = {f.ID: ObjectId(), **rules.new_document(task, "p")}
     run_at = x.start_time(task.run_at, task.delay, NOW)
-    update = x.publish(new, run_at, update_pending=True, republish_finished=republish_finished, now=NOW)
+    changes = rules.pending_changes(task)
+    update = x.publish(new, run_at, update=changes, republish_finished=republish_finished, now=NOW)
     _, found = server.updated({f.KEY: "k"}, update)
 
     def publish(doc: Doc) -> bool:
@@ -679,6 +715,18 @@ def test_publish_update(server: Scratch, docs: list[Doc], task: NewTask, republi
 
     _, expected = python_twin(docs, publish)
     assert_same(expected, found, docs)
+
+
+def test_an_update_names_what_its_call_named() -> None:
+    """``pending_changes`` holds exactly what the publish call named: nothing for a bare
+    key, the priority alone, the run time for ``delay=0``, and both ping options for one."""
+    assert rules.pending_changes(new_task()) == rules.PendingChanges(
+        {}, {}, TaskOptions().model_dump(), run_time=False
+    )
+    assert rules.pending_changes(new_task(priority=7)).fields == {f.PRIORITY: 7}
+    assert rules.pending_changes(new_task(delay=0)).run_time
+    pinged = rules.pending_changes(new_task(options={f.PING_TIMEOUT: 60.0}))
+    assert pinged.options == {f.PING_INTERVAL: 5.0, f.PING_TIMEOUT: 60.0} and not pinged.fields
 
 
 HORIZONS = st.sampled_from(STEPS_MS).map(lambda ms: NOW + ms * MS)

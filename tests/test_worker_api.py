@@ -19,6 +19,7 @@ from taskrunner import (
     Worker,
     WorkerOptions,
 )
+from taskrunner.testing import MemoryRunnerFactory
 
 DRAIN_LIMIT = 60.0  # seconds: a drain that never ends fails the test instead of hanging it
 
@@ -47,7 +48,7 @@ def register(runner: TaskRunner) -> None:
     @runner.task("job")
     async def job(params: Job, ctx: TaskContext) -> dict[str, int]:
         if params.follow_ups:
-            await runner.publish(
+            await ctx.runner.publish(
                 "job", Job(n=params.n + 1, follow_ups=params.follow_ups - 1), key=f"chain{params.n + 1}"
             )
         return {"n": params.n}
@@ -85,6 +86,19 @@ async def test_drain_runs_the_follow_ups_its_handlers_publish(app: TaskRunner) -
     await drain(app)
     assert await states(app) == {f"chain{i}": TaskState.SUCCESS for i in range(4)}
     assert (await app.get("chain3")).results == [{"n": 3}]
+
+
+async def test_follow_ups_go_through_the_runner_that_runs_the_handler(
+    app: TaskRunner, memory_runner: MemoryRunnerFactory
+) -> None:
+    """A handler publishing through ``ctx.runner`` reaches the runner running it: on a test's
+    copy (``memory_runner(app)``) the whole chain lands and runs on the copy's memory store,
+    and the app's own store gets nothing."""
+    copy = memory_runner(app)
+    await copy.publish("job", Job(follow_ups=2), key="chain0")
+    await drain(copy)
+    assert await states(copy) == {f"chain{i}": TaskState.SUCCESS for i in range(3)}
+    assert await app.store.count() == 0
 
 
 async def test_drain_leaves_tasks_due_later_pending(app: TaskRunner) -> None:

@@ -37,9 +37,9 @@ def _parse_params(text: str) -> Any:
 @connected()
 def publish(
     name: Annotated[str, typer.Argument(help="Handler name.")],
-    params: Annotated[str, typer.Option(help="Params as a JSON object.")] = "{}",
+    params: Annotated[str | None, typer.Option(help="Params as a JSON object (default {}).")] = None,
     key: Annotated[str | None, typer.Option(help="Idempotency key (generated if absent).")] = None,
-    priority: Annotated[int, typer.Option(help="Higher runs first.")] = 0,
+    priority: Annotated[int | None, typer.Option(help="Higher runs first (default 0).")] = None,
     delay: Annotated[float | None, typer.Option(help="Seconds to wait before the task may start.")] = None,
     run_at: Annotated[
         datetime | None, typer.Option(help="Not before this time (ISO 8601, UTC if naive).")
@@ -56,7 +56,9 @@ def publish(
     run_timeout: Annotated[
         float | None, typer.Option(help="Seconds each handler call may take (task option timeout).")
     ] = None,
-    update_pending: Annotated[bool, typer.Option(help="Update a task no worker has started.")] = False,
+    update_pending: Annotated[
+        bool, typer.Option(help="Update a task no worker has started: only the options given here.")
+    ] = False,
     republish_finished: Annotated[bool, typer.Option(help="Start a finished key afresh.")] = False,
     allow_unknown: Annotated[
         bool, typer.Option(help="With --app: publish a name the app has no handler for.")
@@ -81,7 +83,7 @@ def publish(
         connection,
         lambda runner: runner.publish(
             name,
-            _parse_params(params),
+            None if params is None else _parse_params(params),
             key=key,
             priority=priority,
             delay=delay,

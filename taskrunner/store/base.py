@@ -67,13 +67,15 @@ class Failure:
 @dataclass(frozen=True, slots=True)
 class RunWrite:
     """One fenced write for one run: a lease renewal (``value`` is progress or None),
-    or its outcome (``value`` is the result, or the ``Failure``)."""
+    or its outcome (``value`` is the result, or the ``Failure``; ``progress`` the run's
+    last progress, written with it, or None to keep what its renewals wrote)."""
 
     kind: RunWriteKind
     key: str
     run_id: str
     worker_id: str
     value: Any = None
+    progress: Any = None
 
 
 class RunStatus(enum.Enum):

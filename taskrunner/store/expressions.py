@@ -457,9 +457,14 @@ def ping(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
     return [update_entry(run_id, changes), *summarize(now)]
 
 
-def succeed(run_id: str, result: Any, now: Expr = NOW) -> list[Expr]:
+def succeed(run_id: str, result: Any, now: Expr = NOW, progress: Any = None) -> list[Expr]:
+    """``rules.succeed``: the result, and the run's last ``progress`` unless None."""
     changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: now}
-    return [update_entry(run_id, changes), *summarize(now)]
+    return [update_entry(run_id, _with_progress(changes, progress)), *summarize(now)]
+
+
+def _with_progress(changes: dict[str, Expr], progress: Any) -> dict[str, Expr]:
+    return changes if progress is None else {**changes, f.PROGRESS: {"$literal": progress}}
 
 
 def storable_as_is(value: Any) -> bool:
@@ -475,7 +480,7 @@ def storable_as_is(value: Any) -> bool:
 
 
 def quick_succeed(
-    key: str, run_id: str, result: Any, now: datetime | None = None
+    key: str, run_id: str, result: Any, now: datetime | None = None, progress: Any = None
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """``succeed`` for the common case, as plain update operators (filter, update,
     array filters): a RUNNING task with one slot. While the run's entry is RUNNING, one
@@ -500,6 +505,8 @@ def quick_succeed(
         f"{f.WORKERS}.$[{run}].{f.RESULT}": result,
         f.STATE: TaskState.SUCCESS.value,
     }
+    if progress is not None:
+        values[f"{f.WORKERS}.$[{run}].{f.PROGRESS}"] = progress
     stamp = {"$currentDate": dict.fromkeys(times, True)} if now is None else {}
     update = {
         "$set": values if now is None else values | dict.fromkeys(times, now),
@@ -510,11 +517,18 @@ def quick_succeed(
 
 
 def fail(
-    run_id: str, error: dict[str, Any], retry_in: float | None = None, final: bool = False, now: Expr = NOW
+    run_id: str,
+    error: dict[str, Any],
+    retry_in: float | None = None,
+    final: bool = False,
+    now: Expr = NOW,
+    progress: Any = None,
 ) -> list[Expr]:
     """``rules.fail``: a final failure sets ``fatal``; any other spends one
-    failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``)."""
-    changes = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
+    failure and moves ``run_at`` to server now plus ``retry_in`` (None: ``retry_backoff``).
+    The run's last ``progress`` is written unless None."""
+    failed = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
+    changes = _with_progress(failed, progress)
     if final:
         return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now)]
     later = (
@@ -557,9 +571,15 @@ def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
 
 
 def publish(
-    new: dict[str, Any], run_at: Any, *, update_pending: bool, republish_finished: bool, now: Expr = NOW
+    new: dict[str, Any],
+    run_at: Any,
+    *,
+    update: rules.PendingChanges | None,
+    republish_finished: bool,
+    now: Expr = NOW,
 ) -> list[Expr]:
-    """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option.
+    """Upsert pipeline: insert ``new`` if the key is new, else apply the chosen option:
+    ``update`` (``update_pending``) rewrites those changes where ``updatable``.
 
     An existing task that no option applies to is returned unchanged: no write.
     ``run_at`` is a datetime or ``$$NOW`` (server time).
@@ -572,8 +592,8 @@ def publish(
     if republish_finished:
         branches.append({"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": fresh})
     stages: list[Expr] = []
-    if update_pending:
-        branches.append({"case": updatable(), "then": pending_update(new, run_at, now)})
+    if update is not None:
+        branches.append({"case": updatable(), "then": pending_update(update, run_at, now)})
         stages = pending_update_summary(now)
     return [{"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}}, *stages]
 
@@ -584,18 +604,21 @@ def updatable() -> Expr:
     return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
 
 
-def pending_update(new: dict[str, Any], run_at: Any, now: Expr) -> Expr:
-    spent = {"$gte": [tally(f.FAILURES), new[f.OPTIONS][f.MAX_FAILURES]]}
-    changes = {
-        f.PARAMS: {"$literal": new[f.PARAMS]},
-        f.PRIORITY: new[f.PRIORITY],
-        f.OPTIONS: {"$literal": new[f.OPTIONS]},
-        f.RUN_AT: run_at,
-        f.UPDATED_AT: now,
-        f.STATE: {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]},
-        f.CLAIMABLE_AT: run_at,
-        "_tr_updated": True,
-    }
+def pending_update(update: rules.PendingChanges, run_at: Any, now: Expr) -> Expr:
+    """``rules.pending_update``: set only what the publish call named."""
+    changes: dict[str, Expr] = {name: {"$literal": value} for name, value in update.fields.items()}
+    if update.options:
+        is_object = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
+        merged = {"$mergeObjects": [f.ref(f.OPTIONS), {"$literal": update.options}]}
+        changes[f.OPTIONS] = {"$cond": [is_object, merged, {"$literal": update.whole_options}]}
+    if update.run_time:
+        changes |= {f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
+    changes[f.UPDATED_AT] = now
+    budget = update.options.get(f.MAX_FAILURES)
+    if budget is not None:
+        spent = {"$gte": [tally(f.FAILURES), budget]}
+        changes[f.STATE] = {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]}
+    changes["_tr_updated"] = True
     return {"$mergeObjects": ["$$ROOT", changes]}
 
 

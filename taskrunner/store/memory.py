@@ -350,9 +350,10 @@ class MemoryStore:
             state = EntryState.SUCCESS if write.kind == "success" else EntryState.FAIL
             return rules.outcome_status(doc, write.run_id, state)
         elif write.kind == "success":
-            rules.succeed(doc, entry, value, now)
+            rules.succeed(doc, entry, value, now, _clone(write.progress))
         else:
-            rules.fail(doc, entry, value.error.model_dump(), now, value.retry_in, value.final)
+            error = value.error.model_dump()
+            rules.fail(doc, entry, error, now, value.retry_in, value.final, _clone(write.progress))
         self._emit("update", doc)
         return RunStatus.DONE
 

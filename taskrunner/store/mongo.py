@@ -276,7 +276,8 @@ class MongoStore:
     ) -> tuple[Doc, list[Any]]:
         new = {f.ID: bson.ObjectId(), **rules.new_document(task, publish_id)}
         run_at = x.start_time(task.run_at, task.delay)
-        update = x.publish(new, run_at, update_pending=update_pending, republish_finished=republish_finished)
+        changes = rules.pending_changes(task) if update_pending else None
+        update = x.publish(new, run_at, update=changes, republish_finished=republish_finished)
         return {f.KEY: task.key}, update
 
     async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]]) -> None:
@@ -488,7 +489,7 @@ class MongoStore:
         return claimed
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
-        quick = [w.kind == "success" and x.storable_as_is(w.value) for w in writes]
+        quick = [w.kind == "success" and x.storable_as_is([w.value, w.progress]) for w in writes]
         results, owned = await self._write_runs(writes, quick)
         # A quick success refused while its run still owns its entry is the uncommon case
         # (canceled, several slots): the pipeline writes it, one more round trip.
@@ -520,16 +521,19 @@ class MongoStore:
     @staticmethod
     def _run_op(write: RunWrite, quick: bool = False) -> UpdateOne:
         if quick:
-            query, plain, array_filters = x.quick_succeed(write.key, write.run_id, write.value)
+            query, plain, array_filters = x.quick_succeed(
+                write.key, write.run_id, write.value, progress=write.progress
+            )
             return UpdateOne(query, plain, array_filters=array_filters)
         if write.kind == "ping":
             filter_ = x.renewable(write.key, write.run_id, write.worker_id)
             return UpdateOne(filter_, x.ping(write.run_id, write.value))
         if write.kind == "success":
-            update = x.succeed(write.run_id, write.value)
+            update = x.succeed(write.run_id, write.value, progress=write.progress)
         else:
             failure: Failure = write.value
-            update = x.fail(write.run_id, failure.error.model_dump(), failure.retry_in, failure.final)
+            error = failure.error.model_dump()
+            update = x.fail(write.run_id, error, failure.retry_in, failure.final, progress=write.progress)
         return UpdateOne(x.running_entry(write.key, write.run_id), update)
 
     async def _resolve(

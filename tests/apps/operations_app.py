@@ -1,4 +1,5 @@
-"""The operations tests' app: the acceptance handlers plus one reporting progress and one gated by a file.
+"""The operations tests' app: the acceptance handlers plus ones reporting progress, one
+gated by a file, and one publishing a follow-up task.
 
 Marks go where tests/apps/acceptance_app.py puts them (``$ACCEPTANCE_MARKS``).
 """
@@ -12,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from apps.acceptance_app import mark, runner
-from taskrunner import TaskContext
+from taskrunner import Fail, TaskContext
 
 __all__ = ["runner"]
 
@@ -37,6 +38,25 @@ async def progress_sleep(params: ProgressParams, ctx: TaskContext) -> dict[str, 
     return {"slept": params.seconds}
 
 
+class StepParams(BaseModel):
+    steps: int
+    pause: float = 0.0
+    """Seconds to work after the first step (so renewals carry its progress meanwhile)."""
+    fail: bool = False
+
+
+@runner.task("progress_steps", max_failures=1)
+async def progress_steps(params: StepParams, ctx: TaskContext) -> int:
+    """Report progress at each step, the later ones at once, then return (or fail)."""
+    for step in range(1, params.steps + 1):
+        await ctx.progress(step / params.steps, f"step {step}")
+        if step == 1:
+            await asyncio.sleep(params.pause)
+    if params.fail:
+        raise Fail(f"failed after step {params.steps}")
+    return params.steps
+
+
 class GateParams(BaseModel):
     broken_while: str
     """Path of a marker file: the handler fails while it exists."""
@@ -49,3 +69,12 @@ def gated(params: GateParams, ctx: TaskContext) -> str:
         raise RuntimeError(f"broken while {params.broken_while} exists")
     mark("finish", ctx)
     return "repaired"
+
+
+@runner.task("follow_up")
+async def follow_up(params: dict[str, Any], ctx: TaskContext) -> str:
+    """Publish a ``quick`` task keyed ``<key>:next`` through the runner running this one."""
+    mark("start", ctx)
+    task = await ctx.runner.publish("quick", key=f"{ctx.key}:next")
+    mark("finish", ctx)
+    return task.key
