@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from taskrunner import fields as f
+from taskrunner import sizes
 from taskrunner.errors import InvalidTask, MalformedTask
 
 
@@ -102,7 +103,6 @@ Bucket = Annotated[int | None, BeforeValidator(_bucket)]
 
 DAY = 86_400.0
 MAX_KEY_LENGTH = 512
-MAX_PARAMS_BYTES = 15 * 1024 * 1024  # MongoDB's 16 MiB document limit, less room for the rest
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 
 
@@ -147,6 +147,8 @@ class TaskOptions(BaseModel):
     def _non_empty_ids(cls, ids: list[str]) -> list[str]:
         if any(not i for i in ids):
             raise ValueError("worker ids must be non-empty strings")
+        for worker_id in ids:
+            sizes.check_worker_id(worker_id)
         return list(dict.fromkeys(ids))
 
     @model_validator(mode="after")
@@ -213,12 +215,24 @@ class NewTask(BaseModel):
     @classmethod
     def _bson_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         try:
-            size = len(bson.encode(params))
+            bson.encode(params)
         except (bson.errors.InvalidDocument, OverflowError, TypeError) as exc:
             raise ValueError(f"cannot be stored as BSON: {exc}") from None
-        if size > MAX_PARAMS_BYTES:
-            raise ValueError(f"{size} bytes as BSON; at most {MAX_PARAMS_BYTES} fit in a task document")
         return params
+
+    @model_validator(mode="after")
+    def _fits_a_document(self) -> Self:
+        refusal = self.budget().refusal()
+        if refusal is not None:
+            raise InvalidTask(*refusal)
+        return self
+
+    def budget(self) -> sizes.Budget:
+        """How this task's document is shared out between its params and its runs."""
+        options = self.options.model_dump()
+        return sizes.budget(
+            key=self.key, name=self.name, priority=self.priority, options=options, params=self.params
+        )
 
     @field_validator("key")
     @classmethod
@@ -323,6 +337,9 @@ def first_error(exc: ValidationError) -> str:
 def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
     """The first validation error as an ``InvalidTask`` naming its dotted field path."""
     err = exc.errors()[0]
+    raised = err.get("ctx", {}).get("error")
+    if isinstance(raised, InvalidTask) and not prefix:  # a model-wide check that names its field
+        return raised
     path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     return cls(path or "task", err["msg"])
 
@@ -442,6 +459,17 @@ class Task(BaseModel):
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
+
+    def budget(self) -> sizes.Budget:
+        """How this task's document is shared out between its params and its runs: what
+        a worker lets a run record (docs/publishing.md, "How big params and results may be")."""
+        return sizes.budget(
+            key=self.key,
+            name=self.name,
+            priority=self.priority,
+            options=self.options.model_dump(),
+            params=self.params,
+        )
 
     @property
     def successes(self) -> int:
