@@ -230,8 +230,9 @@ class NewTask(BaseModel):
     def budget(self) -> sizes.Budget:
         """How this task's document is shared out between its params and its runs."""
         options = self.options.model_dump()
+        params = sizes.params_bytes(self.params)
         return sizes.budget(
-            key=self.key, name=self.name, priority=self.priority, options=options, params=self.params
+            key=self.key, name=self.name, priority=self.priority, options=options, params=params
         )
 
     @field_validator("key")
@@ -338,8 +339,8 @@ def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] 
     """The first validation error as an ``InvalidTask`` naming its dotted field path."""
     err = exc.errors()[0]
     raised = err.get("ctx", {}).get("error")
-    if isinstance(raised, InvalidTask) and not prefix:  # a model-wide check that names its field
-        return raised
+    if isinstance(raised, InvalidTask) and not prefix and cls is InvalidTask:
+        return raised  # a check of the whole task (its document's budget) names its own field
     path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     return cls(path or "task", err["msg"])
 
@@ -463,12 +464,13 @@ class Task(BaseModel):
     def budget(self) -> sizes.Budget:
         """How this task's document is shared out between its params and its runs: what
         a worker lets a run record (docs/publishing.md, "How big params and results may be")."""
+        try:
+            params = sizes.params_bytes(self.params)
+        except (bson.errors.InvalidDocument, OverflowError, TypeError):
+            params = 0  # not from MongoDB (a test store's hand-made document): nothing to measure
+        options = self.options.model_dump()
         return sizes.budget(
-            key=self.key,
-            name=self.name,
-            priority=self.priority,
-            options=self.options.model_dump(),
-            params=self.params,
+            key=self.key, name=self.name, priority=self.priority, options=options, params=params
         )
 
     @property

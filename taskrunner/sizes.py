@@ -202,12 +202,13 @@ class Budget:
         return None
 
 
-def budget(*, key: str, name: str, priority: int, options: dict[str, Any], params: dict[str, Any]) -> Budget:
-    """The budget of a task (``options`` as stored: ``TaskOptions.model_dump()``)."""
+def budget(*, key: str, name: str, priority: int, options: dict[str, Any], params: int) -> Budget:
+    """The budget of a task (``options`` as stored: ``TaskOptions.model_dump()``; ``params``
+    what its params add, ``params_bytes``)."""
     concurrency, max_failures = int(options[f.CONCURRENCY]), int(options[f.MAX_FAILURES])
     return Budget(
         base=base_bytes(key, name, priority, options),
-        params=params_bytes(params),
+        params=params,
         concurrency=concurrency,
         max_failures=max_failures,
         failed=failed_runs(concurrency, max_failures),
