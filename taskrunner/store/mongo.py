@@ -553,9 +553,10 @@ class MongoStore:
         results: list[RunResult] = []
         owned: set[int] = set()
         for i, (write, q) in enumerate(zip(writes, quick, strict=True)):
-            [result], still = await self._write_runs([write], [q])
+            [result], still_owned = await self._write_runs([write], [q])
             results.append(result)
-            owned |= {i for _ in still}
+            if still_owned:
+                owned.add(i)
         return results, owned
 
     @staticmethod
