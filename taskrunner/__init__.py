@@ -7,6 +7,7 @@ __version__ = "0.1.0"  # before the imports: the worker reads it while the packa
 from taskrunner.context import TaskContext
 from taskrunner.errors import (
     ConfigurationError,
+    DocumentTooLarge,
     Fail,
     InvalidParams,
     InvalidSchedule,
@@ -57,6 +58,7 @@ from taskrunner.worker_options import WorkerOptions
 # worker handles itself) stay importable from their modules, outside this promise.
 __all__ = [
     "ConfigurationError",
+    "DocumentTooLarge",
     "EntryState",
     "Fail",
     "InvalidParams",

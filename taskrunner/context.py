@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import structlog
 
 from taskrunner.errors import Retry
+from taskrunner.sizes import fit_progress
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
@@ -42,10 +43,12 @@ class TaskContext:
 
     async def progress(self, fraction: float, message: str | None = None) -> None:
         """Record progress (0..1) on this run's entry; it rides on the next ping, and the
-        last one on the run's outcome, so calling it often costs no round trips."""
+        last one on the run's outcome, so calling it often costs no round trips. A message
+        is cut to fit 512 bytes as stored (``sizes.PROGRESS_BYTES``: every run's entry keeps
+        its last progress)."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be between 0 and 1, got {fraction}")
-        self._progress = self.last_progress = {"fraction": float(fraction), "message": message}
+        self._progress = self.last_progress = fit_progress({"fraction": float(fraction), "message": message})
 
     def snooze(self, seconds: float) -> NoReturn:
         """End this run now and run the task again ``seconds`` from now (server time),

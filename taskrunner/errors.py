@@ -20,6 +20,7 @@
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
         ├── WriteRejected               refused, e.g. by a $jsonSchema validator
+        │   └── DocumentTooLarge        the document would exceed MongoDB's 16 MiB
         ├── DuplicateKey                a unique index refused an insert: another writer was first
         ├── PartialBulkWrite            some writes of one bulk write failed; each one's error
         ├── ChangeHistoryLost           a change stream cannot resume; rescan
@@ -192,6 +193,14 @@ class ClaimUnconfirmed(StoreUnavailable):
 
 class WriteRejected(StoreError):
     """The database refused a write (validator, document too large, ...)."""
+
+
+class DocumentTooLarge(WriteRejected):
+    """The write would make a document larger than MongoDB's 16 MiB (``maxBsonObjectSize``):
+    the server refused it (whatever code its version answers with) or the driver would not
+    send it. Publishing refuses such tasks first (``InvalidTask``) and workers bound what a
+    run records, so this reaches code only for documents changed by hand or by other
+    writers (docs/publishing.md, "How big params and results may be")."""
 
 
 class DuplicateKey(StoreError):

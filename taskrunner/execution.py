@@ -24,9 +24,11 @@ import bson
 import structlog
 from pydantic import BaseModel
 
+from taskrunner import sizes
 from taskrunner.context import TaskContext
 from taskrunner.errors import (
     ClaimLost,
+    DocumentTooLarge,
     Fail,
     InvalidParams,
     MalformedTask,
@@ -43,10 +45,8 @@ from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
 from taskrunner.retries import delay as retry_delay
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import Claim, Failure, RunStatus, RunWrite, RunWriteKind, Store
+from taskrunner.store.base import Claim, Failure, RunResult, RunStatus, RunWrite, RunWriteKind, Store
 from taskrunner.writes import RunWrites
-
-MAX_RESULT_BYTES = 8 * 1024 * 1024
 
 
 class Stop(enum.Enum):
@@ -79,22 +79,30 @@ class Outcome:
     snooze: float | None = None
     throttle: bool = False
     """``RateLimited``: hold back the task's name (or limit_by value) for ``snooze`` seconds."""
+    unfit: bool = False
+    """Recorded in place of an outcome the server refused as too large (``too_large``)."""
 
 
 class UnstorableResult(TaskRunnerError):
     """The handler returned something MongoDB cannot store."""
 
 
-def storable(result: Any) -> Any:
-    """The result as BSON-compatible data; pydantic models are dumped to JSON types."""
+def storable(result: Any, budget: sizes.Budget) -> Any:
+    """The result as BSON-compatible data within the task's share for a result
+    (``sizes``); pydantic models are dumped to JSON types."""
     if isinstance(result, BaseModel):
         result = result.model_dump(mode="json")
     try:
-        size = len(bson.encode({"result": result}))
+        size = sizes.added_bytes(result)
     except (bson.errors.InvalidDocument, OverflowError, TypeError) as exc:
         raise UnstorableResult(f"the handler's result cannot be stored as BSON: {exc}") from None
-    if size > MAX_RESULT_BYTES:
-        raise UnstorableResult(f"the handler's result is {size} bytes; at most {MAX_RESULT_BYTES} are stored")
+    if size > budget.result:
+        raise UnstorableResult(
+            f"the handler's result is {size:,} bytes as BSON; this task's document has room for at most "
+            f"{max(0, budget.result):,} per successful run (MongoDB stores at most 16 MiB a document, "
+            f"and the task's params take {budget.params:,}): return less, or store it elsewhere "
+            "and return a reference"
+        )
     return result
 
 
@@ -104,9 +112,20 @@ def _runner_on(store: Store, handlers: Handlers) -> TaskRunner:
     return runner
 
 
-def error_of(exc: BaseException) -> TaskError:
-    tb = "".join(traceback.format_exception(exc))
-    return TaskError(type=type(exc).__qualname__, message=redact(str(exc)), traceback=redact(tb))
+def error_of(exc: BaseException, limit: int = sizes.ERROR_BYTES) -> TaskError:
+    """The run's error record, cut to ``limit`` bytes (the traceback keeps its end)."""
+    tb = redact("".join(traceback.format_exception(exc)))
+    kind, message, cut_tb = sizes.fit_error(type(exc).__qualname__, redact(str(exc)), tb, limit)
+    return TaskError(type=kind, message=message, traceback=cut_tb)
+
+
+def too_large(outcome: Outcome, refusal: DocumentTooLarge) -> Outcome:
+    """What a run records when the server refused its outcome for size: a final failure
+    without result or traceback (the document is full, so running the task again would end
+    the same way)."""
+    what = "result" if outcome.error is None else f"{outcome.error.type} error"
+    message = f"the run's {what} did not fit in the task document; {refusal}"
+    return Outcome(error=TaskError(type="DocumentTooLarge", message=message[:1000]), final=True, unfit=True)
 
 
 class Execution:
@@ -142,6 +161,7 @@ class Execution:
         self.runner = runner if runner is not None else _runner_on(store, handlers)
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
+        self.budget = claim.task.budget()
         self.log = structlog.get_logger("taskrunner.run").bind(
             key=self.key, run_id=self.run_id, name=self.task.name, worker_id=worker_id
         )
@@ -163,7 +183,7 @@ class Execution:
             registration, params = self._prepare()
         except (UnknownHandler, InvalidParams) as exc:
             # Params the handler's model rejects fail the same way on every attempt.
-            await self._write(Outcome(error=error_of(exc), final=isinstance(exc, InvalidParams)))
+            await self._write(Outcome(error=self._error(exc), final=isinstance(exc, InvalidParams)))
             self.observer.finished(self.task, "failure", 0.0)
             return
         attempt = self.claim.entry.attempt
@@ -219,22 +239,25 @@ class Execution:
         options = self.task.options
         for attempt in range(options.local_retries + 1):
             try:
-                return Outcome(result=storable(await self._call(registration, self.ctx or ctx)))
+                return Outcome(result=storable(await self._call(registration, self.ctx or ctx), self.budget))
             except asyncio.CancelledError:
                 raise
             except Retry as exc:
                 later = exc.delay if exc.delay is not None else retry_delay(options, self.task.failures + 1)
                 return Outcome(snooze=later, throttle=isinstance(exc, RateLimited))
             except Fail as exc:
-                return Outcome(error=error_of(exc), final=True)
+                return Outcome(error=self._error(exc), final=True)
             except UnstorableResult as exc:  # the same result would be refused again at once
-                return Outcome(error=error_of(exc))
+                return Outcome(error=self._error(exc))
             except BaseException as exc:  # KeyboardInterrupt/SystemExit in a handler are its failures
                 if attempt == options.local_retries:
-                    return Outcome(error=error_of(exc))
+                    return Outcome(error=self._error(exc))
                 self.log.warning("handler raised; retrying locally", error=repr(exc), retry=attempt + 1)
                 await asyncio.sleep(retry_delay(options, attempt + 1))
         raise AssertionError("unreachable")
+
+    def _error(self, exc: BaseException) -> TaskError:
+        return error_of(exc, self.budget.error)
 
     async def _call(self, registration: Registration, ctx: TaskContext) -> Any:
         """One call of the handler, bounded by the task's ``timeout`` option (per call).
@@ -289,17 +312,33 @@ class Execution:
         self.stop(reason)
 
     # -- writes --------------------------------------------------------------------------------
-    async def _write(self, outcome: Outcome) -> None:
+    def _run_write(self, outcome: Outcome) -> RunWrite:
         kind: RunWriteKind = "success" if outcome.error is None else "failure"
         value = outcome.result
         if outcome.error is not None:
             retry_in = None if outcome.final else retry_delay(self.task.options, self.task.failures + 1)
             value = Failure(outcome.error, retry_in, outcome.final)
+        last = self.ctx.last_progress if self.ctx is not None else None  # rides on the outcome
+        return RunWrite(kind, self.key, self.run_id, self.worker_id, value, progress=last)
 
+    async def _submit(self, outcome: Outcome) -> RunResult:
+        """The outcome write's result; a size refusal is returned whether the store reports
+        it for the write (a batch's) or raises it (a write alone)."""
+        try:
+            return await self.writes.submit(self._run_write(outcome))
+        except DocumentTooLarge as refused:
+            return refused
+
+    async def _write(self, outcome: Outcome) -> None:
         async def write() -> None:
-            last = self.ctx.last_progress if self.ctx is not None else None  # rides on the outcome
-            run_write = RunWrite(kind, self.key, self.run_id, self.worker_id, value, progress=last)
-            result = await self.writes.submit(run_write)
+            nonlocal outcome
+            result = await self._submit(outcome)
+            if isinstance(result, DocumentTooLarge) and not outcome.unfit:
+                # The budget keeps outcomes within the document; one changed by hand or by
+                # other writers may still refuse one. Record that instead, so the run ends.
+                self.log.error("outcome refused: the task document would exceed 16 MiB", error=str(result))
+                outcome = too_large(outcome, result)
+                result = await self._submit(outcome)
             if isinstance(result, StoreError):
                 raise result
             if result is not RunStatus.DONE:
@@ -340,6 +379,9 @@ class Execution:
                 return
             except MalformedTask as exc:  # written, but the document no longer reads back
                 self.log.error("outcome written to a malformed document", error=str(exc))
+                return
+            except DocumentTooLarge as exc:  # even the smallest failure: writing again cannot help
+                self.log.error("the task document has no room for the run's outcome", error=str(exc))
                 return
             except (StoreError, TimeoutError) as exc:
                 if time.monotonic() + delay > deadline:

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from taskrunner import fields as f
+from taskrunner import sizes
 from taskrunner.errors import InvalidTask, MalformedTask
 
 
@@ -103,7 +104,6 @@ Bucket = Annotated[int | None, BeforeValidator(_bucket)]
 
 DAY = 86_400.0
 MAX_KEY_LENGTH = 512
-MAX_PARAMS_BYTES = 15 * 1024 * 1024  # MongoDB's 16 MiB document limit, less room for the rest
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 
 
@@ -155,6 +155,8 @@ class TaskOptions(BaseModel):
     def _non_empty_ids(cls, ids: list[str]) -> list[str]:
         if any(not i for i in ids):
             raise ValueError("worker ids must be non-empty strings")
+        for worker_id in ids:
+            sizes.check_worker_id(worker_id)
         return list(dict.fromkeys(ids))
 
     @model_validator(mode="after")
@@ -221,12 +223,25 @@ class NewTask(BaseModel):
     @classmethod
     def _bson_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         try:
-            size = len(bson.encode(params))
+            bson.encode(params)
         except (bson.errors.InvalidDocument, OverflowError, TypeError) as exc:
             raise ValueError(f"cannot be stored as BSON: {exc}") from None
-        if size > MAX_PARAMS_BYTES:
-            raise ValueError(f"{size} bytes as BSON; at most {MAX_PARAMS_BYTES} fit in a task document")
         return params
+
+    @model_validator(mode="after")
+    def _fits_a_document(self) -> Self:
+        refusal = self.budget().refusal()
+        if refusal is not None:
+            raise InvalidTask(*refusal)
+        return self
+
+    def budget(self) -> sizes.Budget:
+        """How this task's document is shared out between its params and its runs."""
+        options = self.options.model_dump()
+        params = sizes.params_bytes(self.params)
+        return sizes.budget(
+            key=self.key, name=self.name, priority=self.priority, options=options, params=params
+        )
 
     @field_validator("key")
     @classmethod
@@ -337,11 +352,16 @@ def first_error(exc: ValidationError) -> str:
 
 def invalid_task(exc: ValidationError, prefix: str = "", cls: type[InvalidTask] = InvalidTask) -> InvalidTask:
     """Every problem of a validation error as one ``InvalidTask``, each naming its dotted
-    field path (pydantic reports all of a model's bad fields, not only the first)."""
-    problems = [
-        (".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "task", err["msg"])
-        for err in exc.errors()
-    ]
+    field path (pydantic reports all of a model's bad fields, not only the first). A check
+    of the whole task (its document's budget) names its own field."""
+    problems: list[tuple[str, str]] = []
+    for err in exc.errors():
+        raised = err.get("ctx", {}).get("error")
+        if isinstance(raised, InvalidTask) and not prefix and cls is InvalidTask:
+            problems += raised.problems
+        else:
+            path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+            problems.append((path or "task", err["msg"]))
     (field, message), *more = problems
     return cls(field, message, more=more)
 
@@ -462,6 +482,18 @@ class StoredTask(BaseModel):
 
     def entry(self, run_id: str) -> WorkerEntry | None:
         return next((w for w in self.workers if w.run_id == run_id), None)
+
+    def budget(self) -> sizes.Budget:
+        """How this task's document is shared out between its params and its runs: what
+        a worker lets a run record (docs/publishing.md, "How big params and results may be")."""
+        try:
+            params = sizes.params_bytes(self.params)
+        except (bson.errors.InvalidDocument, OverflowError, TypeError):
+            params = 0  # not from MongoDB (a test store's hand-made document): nothing to measure
+        options = self.options.model_dump()
+        return sizes.budget(
+            key=self.key, name=self.name, priority=self.priority, options=options, params=params
+        )
 
     @property
     def successes(self) -> int:

@@ -743,11 +743,44 @@ def retry_refused(key: str, state: str, workers: Sequence[str]) -> InvalidState:
     return InvalidState(key, state, "retry", "FAIL or CANCELED", why=why)
 
 
+def kept_failed_runs(doc: Doc) -> float | None:
+    """How many FAIL entries a retry keeps: as many as one budget cycle may record
+    (``max_failures + concurrency - 1``), so that the document's size stays bounded however
+    often the task is retried (``sizes``). None (all kept) when the options do not read."""
+    concurrency, max_failures = _num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES))
+    if concurrency is None or max_failures is None or not (concurrency >= 1 and max_failures >= 1):
+        return None
+    return max_failures + concurrency - 1
+
+
+def is_failed(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.get(f.STATE) == EntryState.FAIL.value
+
+
+def trim_failed_runs(doc: Doc) -> None:
+    """Drop the oldest FAIL entries beyond ``kept_failed_runs`` (the list as written otherwise)."""
+    keep, workers = kept_failed_runs(doc), doc.get(f.WORKERS)
+    if keep is None or not isinstance(workers, list):
+        return
+    failed = sum(map(is_failed, workers))
+    kept: list[Any] = []
+    seen = 0  # FAIL entries before this one: it goes when at least ``keep`` come after it
+    for w in workers:
+        if is_failed(w):
+            seen += 1
+            if seen - 1 + keep < failed:
+                continue
+        kept.append(w)
+    doc[f.WORKERS] = kept
+
+
 def retry(doc: Doc, now: datetime) -> None:
-    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history.
+    """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history,
+    the FAIL ones up to ``kept_failed_runs`` (the most recent).
 
     A document marked unreadable (or whose counters do not read) is left without a
     ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
+    trim_failed_runs(doc)
     numbers = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
     recheck = isinstance(doc.get(f.ERROR), dict) or None in numbers
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})

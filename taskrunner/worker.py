@@ -56,6 +56,7 @@ from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
 from taskrunner.redact import redact
 from taskrunner.schedules import Scheduler
+from taskrunner.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.store.base import Claim, Claimed, Store, Window
 from taskrunner.worker_options import WorkerOptions
 from taskrunner.writes import RunWrites
@@ -107,7 +108,9 @@ def owned_buckets(worker_id: str, peers: Sequence[str]) -> list[int]:
 
 def default_worker_id() -> str:
     """Fresh per process start, so a restarted worker is never mistaken for its old self."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    suffix = f"-{os.getpid()}-{secrets.token_hex(3)}"
+    host = socket.gethostname().encode()[: MAX_WORKER_ID_BYTES - len(suffix)].decode(errors="ignore")
+    return host + suffix  # a long host name is cut: every run's entry names its worker
 
 
 class ServerClock:

@@ -10,9 +10,11 @@ from pydantic import (
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
+    field_validator,
     model_validator,
 )
 
+from taskrunner import sizes
 from taskrunner.errors import ConfigurationError
 
 
@@ -41,6 +43,11 @@ class WorkerOptions(BaseModel):
     drain: bool = False
     """Stop gracefully once nothing runs here and nothing is claimable now: tasks due later
     (a future ``run_at``, a retry's backoff, a snooze) do not keep the worker running."""
+
+    @field_validator("worker_id")
+    @classmethod
+    def _fits_an_entry(cls, worker_id: str | None) -> str | None:
+        return None if worker_id is None else sizes.check_worker_id(worker_id)
 
     @model_validator(mode="wrap")
     @classmethod

@@ -471,12 +471,12 @@ def _sized(size: int, **fields: Any) -> Doc:
     return document
 
 
-async def test_documents_over_16_mib_are_refused_as_mongodb_7_refuses_them(
+async def test_documents_over_16_mib_are_refused_as_mongodb_6_0_to_8_0_refuse_them(
     client: AsyncMongoClient[Doc],
 ) -> None:
-    """A 16 MiB document is stored; one byte more is refused: insert BadValue (2), an update
-    whose result is larger 17419, an upsert 17420 (findAndModify as a command error); nothing
-    changes."""
+    """A 16 MiB document is stored; one byte more is refused with the codes MongoDB 6.0, 7.0
+    and 8.0 answer (and buildInfo's 7.0.0): insert BadValue (2), an update whose result is
+    larger 17419, an upsert 17420 (findAndModify as a command error); nothing changes."""
     tasks = client.taskrunner.tasks
     await tasks.insert_one(_sized(MAX_BSON_OBJECT_SIZE, _id="max"))
     await tasks.insert_one({"_id": "small", "n": 0})

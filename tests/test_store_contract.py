@@ -26,7 +26,14 @@ from taskrunner import (
     TaskState,
     rules,
 )
-from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, ClaimLost, InvalidState, ScheduleNotFound
+from taskrunner.errors import (
+    ChangeHistoryLost,
+    ChangeStreamEnded,
+    ClaimLost,
+    DocumentTooLarge,
+    InvalidState,
+    ScheduleNotFound,
+)
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules import declare
 from taskrunner.store.base import (
@@ -342,6 +349,56 @@ async def test_update_pending_rewrites_only_what_the_call_names(store: Store) ->
     assert due.run_at < first.run_at and (due.priority, due.params) == (7, {"v": 1})
     claim = await store.claim("w1", key="d")
     assert claim is not None
+
+
+BIG_PARAMS = {"blob": "p" * 14_000_000}
+"""Params a task document has room for, with a result of at most about 2.6 MB."""
+
+
+async def test_update_pending_writes_params_as_large_as_a_task_document_allows(store: Store) -> None:
+    """update_pending replaces a pending task's params with params of 14 MB, which a task
+    document has room for (the write carries them once, within MongoDB's 16 MiB command limit)."""
+    await publish(store, task("grown", params={"v": 1}))
+    [updated] = await publish(store, task("grown", params=BIG_PARAMS), update_pending=True)
+    assert updated.params == BIG_PARAMS and not updated.created
+    assert (await store.get("grown")).params == BIG_PARAMS
+
+
+async def test_an_outcome_that_would_exceed_16_mib_is_refused_and_changes_nothing(store: Store) -> None:
+    """A result that would make the document larger than MongoDB's 16 MiB is that write's
+    DocumentTooLarge (a worker bounds results before; this is what the store answers when
+    a document grew otherwise); the run still owns its RUNNING entry and a failure lands."""
+    await publish(store, task("full", params=BIG_PARAMS, options={"max_failures": 1}))
+    claim = await store.claim("w1", key="full")
+    assert claim is not None
+    write = RunWrite("success", "full", claim.run_id, "w1", "r" * 3_000_000)
+    [refused] = await store.write_runs([write])
+    assert isinstance(refused, DocumentTooLarge), refused
+    assert "16 MiB" in str(refused)
+    kept = await store.get("full")
+    assert kept.state is TaskState.RUNNING and kept.workers[0].result is None
+    failed = await runs.fail(
+        store, "full", claim.run_id, TaskError(type="DocumentTooLarge", message="m"), final=True
+    )
+    assert failed.state is TaskState.FAIL and failed.results == []
+
+
+async def test_a_retry_keeps_the_failed_runs_of_the_last_budget_cycle(store: Store) -> None:
+    """Retrying keeps the task's entries as history, but only the last
+    max_failures + concurrency - 1 FAIL ones, so that retrying a task again and again does
+    not grow its document past 16 MiB."""
+    await publish(store, task("again", options={"max_failures": 2, "retry_backoff": 0}))
+    run_ids = []
+    for _ in range(3):
+        for _ in range(2):
+            claim = await store.claim("w1", key="again")
+            assert claim is not None
+            run_ids.append(claim.run_id)
+            await runs.fail(store, "again", claim.run_id, TaskError(type="E", message=claim.run_id))
+        assert (await store.get("again")).state is TaskState.FAIL
+        retried = await store.retry("again")
+        assert [w.run_id for w in retried.workers] == run_ids[-2:]
+    assert retried.state is TaskState.PENDING and retried.failures == 0
 
 
 @pytest.mark.parametrize(

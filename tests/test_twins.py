@@ -843,12 +843,32 @@ def test_normalization(server: Scratch, docs: list[Doc]) -> None:
     assert_same(expected, found, docs)
 
 
+FAILED = {f.STATE: "FAIL", f.FINISHED_AT: NOW - SECOND}
+"""A run that failed a second ago."""
+
+
 @twins
 @example(docs=batch(task({f.STATE: "FAIL", f.ERROR: {}, f.FINISHED_AT: NOW}), task({f.STATE: ["FAIL"]})))
+@example(
+    docs=batch(
+        task(
+            {**ENDED, f.opt(f.MAX_FAILURES): 2, f.opt(f.CONCURRENCY): 1},
+            entry({**FAILED, f.RUN_ID: "r1"}),
+            "not an entry",
+            entry({**FAILED, f.RUN_ID: "r2"}),
+            entry({f.STATE: "SUCCESS", f.RUN_ID: "r3"}),
+            entry({**FAILED, f.RUN_ID: "r4"}),
+            entry({f.STATE: ["FAIL"], f.RUN_ID: "r5"}),
+        ),
+        task({**ENDED, f.opt(f.MAX_FAILURES): 1.5}, entry(FAILED), entry({**FAILED, f.RUN_ID: "r2"})),
+        task({**ENDED, f.opt(f.MAX_FAILURES): "1"}, entry(FAILED), entry({**FAILED, f.RUN_ID: "r2"})),
+    )
+)
 @given(docs=batches())
 def test_retry(server: Scratch, docs: list[Doc]) -> None:
     """``retryable`` matches FAIL or CANCELED tasks ``rules.still_running`` finds no live run
-    in, and ``retry`` writes what ``rules.retry`` writes."""
+    in, and ``retry`` writes what ``rules.retry`` writes (keeping the last
+    ``max_failures + concurrency - 1`` FAIL entries)."""
     server.load(docs)
     matched, found = server.updated(x.retryable("k", NOW), x.retry(NOW))
 

@@ -10,9 +10,13 @@
   constant time.
 * MongoDB's document size limit.  mongoeco stores documents of any size; MongoDB
   refuses one over 16 MiB (``maxBsonObjectSize``).  The patch checks each document
-  mongoeco is about to store, with MongoDB 7.0's errors (the version the server
-  reports): an insert gets BadValue (2) "object to insert too large", an update's
-  result 17419, an upsert's new document 17420.
+  mongoeco is about to store and answers as MongoDB 6.0, 7.0 and 8.0 do (and as the
+  7.0 that ``buildInfo`` reports): an insert gets BadValue (2) "object to insert too
+  large" (``fixDocumentForInsert``), an update's result 17419 and an upsert's new document
+  17420 (the update and upsert stages), as MongoDB's ``jstests/core/max_doc_size.js``
+  checks them.  Only servers built after SERVER-104405 (MongoDB's main branch in 2025, not
+  8.0) answer BSONObjectTooLarge (10334) for all three; taskrunner's store takes every one
+  of these answers as ``DocumentTooLarge`` (docs/compatibility.md).
 
 ``tests/test_embedded.py`` checks that the patched method still exists with the
 arguments used here.

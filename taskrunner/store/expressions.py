@@ -60,6 +60,7 @@ def after_now(seconds_path: str, now: Expr = NOW, otherwise: Expr = None) -> Exp
 
 IS_RUNNING: Expr = {"$eq": [_w(f.STATE), EntryState.RUNNING.value]}
 IS_SUCCESS: Expr = {"$eq": [_w(f.STATE), EntryState.SUCCESS.value]}
+IS_FAIL: Expr = {"$eq": [_w(f.STATE), EntryState.FAIL.value]}
 
 
 def is_live(now: Expr = NOW) -> Expr:
@@ -586,7 +587,7 @@ def publish(
     """
     times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
     # A document replaced keeps its _id (an upsert's seed has none yet: it gets new's).
-    fresh = {"$mergeObjects": [{"$literal": new}, times, {f.ID: {"$ifNull": [f.ref(f.ID), new[f.ID]]}}]}
+    fresh = {"$mergeObjects": [NEW, times, {f.ID: {"$ifNull": [f.ref(f.ID), new[f.ID]]}}]}
     seed = {"$lte": [{"$size": {"$objectToArray": "$$ROOT"}}, 2]}  # rules.is_seed
     branches = [{"case": seed, "then": fresh}]
     if republish_finished:
@@ -595,7 +596,14 @@ def publish(
     if update is not None:
         branches.append({"case": updatable(), "then": pending_update(update, run_at, now)})
         stages = pending_update_summary(now)
-    return [{"$replaceWith": {"$switch": {"branches": branches, "default": "$$ROOT"}}}, *stages]
+    # ``new`` is sent once, bound to $$new: params of up to 16 MiB written twice would make
+    # the command larger than MongoDB takes (16 MiB plus 16 KiB).
+    chosen = {"$switch": {"branches": branches, "default": "$$ROOT"}}
+    return [{"$replaceWith": {"$let": {"vars": {"new": {"$literal": new}}, "in": chosen}}}, *stages]
+
+
+NEW = "$$new"
+"""The new document inside ``publish`` (the ``$let`` variable)."""
 
 
 def updatable() -> Expr:
@@ -606,7 +614,11 @@ def updatable() -> Expr:
 
 def pending_update(update: rules.PendingChanges, run_at: Any, now: Expr) -> Expr:
     """``rules.pending_update``: set only what the publish call named."""
-    changes: dict[str, Expr] = {name: {"$literal": value} for name, value in update.fields.items()}
+    # Params come from $$new (``publish``'s $let): the command carries them only once.
+    changes: dict[str, Expr] = {
+        name: f"{NEW}.{name}" if name == f.PARAMS else {"$literal": value}
+        for name, value in update.fields.items()
+    }
     if update.options:
         is_object = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
         merged = {"$mergeObjects": [f.ref(f.OPTIONS), {"$literal": update.options}]}
@@ -639,6 +651,30 @@ def retryable(key: str, now: Expr = NOW) -> dict[str, Any]:
     return {f.KEY: key, f.STATE: {"$in": list(RETRYABLE)}, "$expr": {"$eq": [count(is_live(now)), 0]}}
 
 
+def trim_failed_runs() -> Expr:
+    """``rules.trim_failed_runs``: keep the last ``max_failures + concurrency - 1`` FAIL entries."""
+    numbers = [_is_number(f.opt(f.CONCURRENCY)), _is_number(f.opt(f.MAX_FAILURES))]
+    at_least_one = [{"$gte": [CONCURRENCY, 1]}, {"$gte": [MAX_FAILURES, 1]}]
+    readable = {"$and": [{"$isArray": f.ref(f.WORKERS)}, *numbers, *at_least_one]}
+    keep = {"$subtract": [{"$add": [MAX_FAILURES, CONCURRENCY]}, 1]}
+    failed = {"$eq": ["$$this.state", EntryState.FAIL.value]}
+    dropped = {"$lt": [{"$add": ["$$value.seen", "$$keep"]}, "$$failed"]}
+    step = {
+        "$cond": [
+            failed,
+            {
+                "out": {"$cond": [dropped, "$$value.out", {"$concatArrays": ["$$value.out", ["$$this"]]}]},
+                "seen": {"$add": ["$$value.seen", 1]},
+            },
+            {"out": {"$concatArrays": ["$$value.out", ["$$this"]]}, "seen": "$$value.seen"},
+        ]
+    }
+    walk = {"$reduce": {"input": WORKERS, "initialValue": {"out": [], "seen": 0}, "in": step}}
+    trimmed = {"$let": {"vars": {"r": walk}, "in": "$$r.out"}}
+    counted = {"$let": {"vars": {"keep": keep, "failed": count(IS_FAIL)}, "in": trimmed}}
+    return {"$set": {f.WORKERS: {"$cond": [readable, counted, f.ref(f.WORKERS)]}}}
+
+
 def retry(now: Expr = NOW) -> list[Expr]:
     """``rules.retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
@@ -651,6 +687,7 @@ def retry(now: Expr = NOW) -> list[Expr]:
         f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", kept(f.FINISHED_AT)]},
     }
     return [
+        trim_failed_runs(),
         {"$set": fresh},
         {"$unset": [f.FATAL, f.ERROR]},
         *summarize(now),

@@ -17,6 +17,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import bson
 from bson import ObjectId
 
 from taskrunner import fields as f
@@ -25,6 +26,7 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
     ClaimLost,
+    DocumentTooLarge,
     InvalidSchedule,
     InvalidState,
     MalformedTask,
@@ -35,6 +37,7 @@ from taskrunner.limits import LimitState, readable_limit
 from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
 from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
+from taskrunner.sizes import MAX_DOCUMENT_BYTES
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,
@@ -91,6 +94,29 @@ def _clone(value: Any) -> Any:
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+def _refuse_too_large(doc: Doc) -> None:
+    """Raise ``DocumentTooLarge`` if MongoDB would refuse ``doc`` (over 16 MiB as BSON)."""
+    try:
+        size = len(bson.encode(doc))
+    except (bson.errors.InvalidDocument, OverflowError, TypeError):
+        return  # written by hand with values BSON has no type for: not this check's to judge
+    if size > MAX_DOCUMENT_BYTES:
+        raise DocumentTooLarge(
+            f"the document would exceed MongoDB's 16 MiB limit: {size:,} bytes as BSON, "
+            f"at most {MAX_DOCUMENT_BYTES:,}"
+        )
+
+
+def _changed(doc: Doc, change: Callable[[Doc], None]) -> None:
+    """Apply ``change`` to ``doc`` only if the result is a document MongoDB would store
+    (else raise ``DocumentTooLarge``, ``doc`` unchanged), as a refused write leaves it."""
+    trial = _clone(doc)
+    change(trial)
+    _refuse_too_large(trial)
+    doc.clear()
+    doc.update(trial)
 
 
 def _utcnow() -> datetime:
@@ -167,11 +193,12 @@ class MemoryStore:
         now, doc = self._clock(), self._docs.get(task.key)
         if doc is None or rules.is_seed(doc) or (republish_finished and doc.get(f.STATE) in rules.FINISHED):
             fresh = self._fresh(task, publish_id, now, doc)
+            _refuse_too_large(fresh)
             self._docs[task.key] = fresh
             self._emit("insert" if doc is None else "replace", fresh)
             return self._task(fresh, created=True)
         if update_pending and rules.updatable(doc):
-            rules.pending_update(doc, task, now)
+            _changed(doc, lambda trial: rules.pending_update(trial, task, now))
             self._emit("update", doc)
         return self._task(doc)
 
@@ -282,7 +309,7 @@ class MemoryStore:
             return None
         doc = min(eligible, key=rules.claim_order)
         run_id = uuid.uuid4().hex
-        rules.claim(doc, worker_id, run_id, now)
+        _changed(doc, lambda trial: rules.claim(trial, worker_id, run_id, now))
         self._emit("update", doc)
         if rules.running_entry(doc, run_id) is None:
             return None  # the task's dead leases spent its budget: it was ended, not claimed
@@ -344,16 +371,33 @@ class MemoryStore:
             status = rules.renewal_status(doc, write.run_id, write.worker_id)
             if status is not RunStatus.DONE:
                 return status
-            assert doc is not None and entry is not None
-            rules.ping(doc, entry, now, value)
         elif doc is None or entry is None:
             state = EntryState.SUCCESS if write.kind == "success" else EntryState.FAIL
             return rules.outcome_status(doc, write.run_id, state)
-        elif write.kind == "success":
-            rules.succeed(doc, entry, value, now, _clone(write.progress))
-        else:
-            error = value.error.model_dump()
-            rules.fail(doc, entry, error, now, value.retry_in, value.final, _clone(write.progress))
+        assert doc is not None
+
+        def apply(trial: Doc) -> None:
+            entry = rules.running_entry(trial, write.run_id)
+            assert entry is not None
+            if write.kind == "ping":
+                rules.ping(trial, entry, now, value)
+            elif write.kind == "success":
+                rules.succeed(trial, entry, value, now, _clone(write.progress))
+            else:
+                rules.fail(
+                    trial,
+                    entry,
+                    value.error.model_dump(),
+                    now,
+                    value.retry_in,
+                    value.final,
+                    _clone(write.progress),
+                )
+
+        try:
+            _changed(doc, apply)
+        except DocumentTooLarge as exc:
+            return exc  # that write's own error, as MongoDB's bulk write reports it
         self._emit("update", doc)
         return RunStatus.DONE
 

@@ -34,6 +34,7 @@ from taskrunner.errors import (
     ChangeStreamsUnsupported,
     ClaimLost,
     ClaimUnconfirmed,
+    DocumentTooLarge,
     DuplicateKey,
     InvalidSchedule,
     InvalidState,
@@ -86,6 +87,14 @@ CLAIM_SORT = [(f.PRIORITY, -1), (f.CREATED_AT, 1), (f.ID, 1)]
 _HISTORY_LOST = {280, 286}  # ChangeStreamFatalError, ChangeStreamHistoryLost
 _INVALID_RESUME_TOKEN = 260  # e.g. resuming after an invalidate: only a new stream can follow on
 _DOCUMENT_INVALID = 121
+# A write that would make a document larger than 16 MiB, as each server answers it
+# (MongoDB's source and jstests/core/max_doc_size.js, docs/compatibility.md): through 8.0 an
+# insert is BadValue (2), told apart from other BadValues by its message, an update's result
+# 17419 (8375908 on another update path), an upsert's new document 17420; servers built
+# after SERVER-104405 (not 8.0) answer BSONObjectTooLarge (10334) for all three, the code
+# every version gives a command or an object too large to build.
+_TOO_LARGE = {10334, 17419, 17420, 8375908}
+_INSERT_TOO_LARGE = (2, "object to insert too large")
 _DUPLICATE_KEY = 11000
 _NO_CHANGE_STREAMS = 40573  # "only supported on replica sets"
 _COMMAND_NOT_FOUND = 59
@@ -112,7 +121,9 @@ def mapped_errors() -> Iterator[None]:
         raise StoreError(
             f"a document the server returned does not decode as BSON: {redact(str(exc))}"
         ) from exc
-    except (pe.DocumentTooLarge, bson.errors.InvalidDocument) as exc:
+    except pe.DocumentTooLarge as exc:  # the driver's own check, before sending
+        raise DocumentTooLarge(_too_large(str(exc))) from exc
+    except bson.errors.InvalidDocument as exc:
         raise InvalidTask("task", redact(str(exc))) from exc
     except pe.DuplicateKeyError as exc:
         raise DuplicateKey(redact(str(exc))) from exc
@@ -129,6 +140,8 @@ def mapped_errors() -> Iterator[None]:
             raise ChangeHistoryLost(f"{message}: {redact(str(exc))}") from exc
         if exc.code == _DOCUMENT_INVALID:
             raise WriteRejected(f"the collection's validator rejected the write: {exc}") from exc
+        if _is_too_large(exc.code, str(exc)):
+            raise DocumentTooLarge(_too_large(str(exc))) from exc
         raise StoreError(redact(str(exc))) from exc
     except pe.PyMongoError as exc:
         raise StoreError(redact(str(exc))) from exc
@@ -157,11 +170,22 @@ def _decoded(raw: Mapping[str, Any] | None) -> Doc | None:
     return None if raw is None else _decode(raw)
 
 
+def _is_too_large(code: object, message: str) -> bool:
+    """Whether a server error says a document would exceed 16 MiB (``_TOO_LARGE``)."""
+    return code in _TOO_LARGE or (code == _INSERT_TOO_LARGE[0] and _INSERT_TOO_LARGE[1] in message)
+
+
+def _too_large(message: str) -> str:
+    return f"the document would exceed MongoDB's 16 MiB limit: {redact(message)}"
+
+
 def _write_error(error: Doc) -> StoreError:
     """One write's error in a bulk write, as taskrunner's exception."""
     message = redact(str(error.get("errmsg", error)))
     if error.get("code") == _DOCUMENT_INVALID:
         return WriteRejected(f"the collection's validator rejected the write: {message}")
+    if _is_too_large(error.get("code"), message):
+        return DocumentTooLarge(_too_large(message))
     if error.get("code") == _DUPLICATE_KEY:
         return DuplicateKey(message)
     return StoreError(message)
@@ -514,9 +538,27 @@ class MongoStore:
             matched = result.matched_count
         except PartialBulkWrite as exc:
             matched, errors = exc.matched, exc.errors
+        except DocumentTooLarge as exc:
+            # Refused as a whole (the driver's own check, or a command error): write each
+            # alone, so that only the write that is too large gets this error.
+            if len(writes) == 1:
+                return [exc], set()
+            return await self._write_each(writes, quick)
         if matched + len(errors) == len(writes):
             return [errors.get(i, RunStatus.DONE) for i in range(len(writes))], set()
         return await self._resolve(writes, matched, errors)
+
+    async def _write_each(
+        self, writes: Sequence[RunWrite], quick: list[bool]
+    ) -> tuple[list[RunResult], set[int]]:
+        results: list[RunResult] = []
+        owned: set[int] = set()
+        for i, (write, q) in enumerate(zip(writes, quick, strict=True)):
+            [result], still_owned = await self._write_runs([write], [q])
+            results.append(result)
+            if still_owned:
+                owned.add(i)
+        return results, owned
 
     @staticmethod
     def _run_op(write: RunWrite, quick: bool = False) -> UpdateOne:

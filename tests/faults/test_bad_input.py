@@ -328,7 +328,7 @@ async def test_params_failing_the_handlers_model_fail_the_task(
 async def test_unstorable_result_fails_the_task(
     runner: TaskRunner, worker: WorkerProcess, kind: str, words: str
 ) -> None:
-    """A result BSON cannot hold (a set, a custom object, over 8 MiB) → FAIL UnstorableResult."""
+    """A result BSON cannot hold (a set, a custom object, 17 MiB) → FAIL UnstorableResult."""
     key = f"result-{kind}"
     await runner.publish("returns", {"kind": kind}, key=key, max_failures=1)
     [task] = await wait_for(lambda: finished(runner, key), 30, f"the {kind} result to fail")
