@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from taskrunner import fields as f
+from taskrunner.dashboard.snapshots import EXPIRES_IN
 from taskrunner.errors import InvalidTask
 from taskrunner.gates import GateDoc
 from taskrunner.limits import LimitState
@@ -180,11 +181,35 @@ async def rate_use(runner: TaskRunner, names: list[str]) -> dict[str, RateUse]:
     return use
 
 
+@dataclass(frozen=True)
+class Throttle:
+    """A live ``RateLimited`` hold: on the whole name (``gate`` None) or on one ``limit_by`` gate."""
+
+    until: datetime
+    gate: str | None = None
+
+
+def live_throttles(limits: dict[str, LimitState], now: datetime) -> dict[str, list[Throttle]]:
+    """Each name's throttles that still hold at ``now`` (server time), soonest end first: a
+    throttle that ended holds nothing back, so the page does not show it."""
+    live: dict[str, list[Throttle]] = {}
+    for name, state in limits.items():
+        found = [Throttle(state.throttled_until)] if state.throttled_until is not None else []
+        found += [Throttle(t.until, t.gate) for t in state.throttled_gates]
+        holding = sorted((t for t in found if t.until > now), key=lambda t: t.until)
+        if holding:
+            live[name] = holding
+    return live
+
+
 async def schedules(runner: TaskRunner) -> dict[str, Any]:
     stats = await runner.stats()
     stored = await runner.store.limits()
+    now = await runner.store.server_time()
     limits = {name: state for name, state in stored.items() if isinstance(state, LimitState)}
     running = {name: counts.get(TaskState.RUNNING.value, 0) for name, counts in stats.counts.items()}
+    throttles = live_throttles(limits, now)
+    ends = [held[0].until for held in throttles.values()]
     return {
         "schedules": await runner.schedule_overview(),
         "limits": limits,
@@ -192,4 +217,7 @@ async def schedules(runner: TaskRunner) -> dict[str, Any]:
         "unreadable": {name: problem for name, problem in stored.items() if isinstance(problem, str)},
         "running": running,
         "paused": stats.paused,
+        "throttles": throttles,
+        # Read again when the first throttle ends, so open tabs drop it then.
+        EXPIRES_IN: (min(ends) - now).total_seconds() if ends else None,
     }
