@@ -13,6 +13,7 @@ from taskrunner.errors import (
     InvalidState,
     InvalidTask,
     MalformedTask,
+    NoLiveWorkerWarning,
     RateLimited,
     Retry,
     ScheduleNotFound,
@@ -30,6 +31,7 @@ from taskrunner.limits import LimitState
 from taskrunner.models import (
     EntryState,
     NewTask,
+    PinnedAway,
     Task,
     TaskError,
     TaskOptions,
@@ -48,8 +50,9 @@ from taskrunner.worker_options import WorkerOptions
 
 # The public API is what a user's code names: what it builds or calls (runners, the
 # worker and its options, the memory store for tests), what handlers raise (Fail, Retry,
-# RateLimited), what callers catch (the errors public methods document), and the types
-# of the values public methods return or hand to handlers, so code can annotate them.
+# RateLimited), what callers catch or filter (the errors and warnings public methods
+# document), and the types of the values public methods return or hand to handlers, so
+# code can annotate them.
 # Engine internals (the store protocol and MongoStore, claims, change events, errors the
 # worker handles itself) stay importable from their modules, outside this promise.
 __all__ = [
@@ -65,6 +68,8 @@ __all__ = [
     "MalformedTask",
     "MemoryStore",
     "NewTask",
+    "NoLiveWorkerWarning",
+    "PinnedAway",
     "RateLimited",
     "Retry",
     "Schedule",

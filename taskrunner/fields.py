@@ -216,6 +216,18 @@ INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "worker": ([(f"{WORKERS}.{WORKER_ID}", 1)], {}),
     "created": ([(CREATED_AT, -1), (KEY, -1)], {}),
     "updated": ([(UPDATED_AT, -1), (KEY, -1)], {}),
+    # Partial: only unfinished tasks pinned to worker ids (PENDING and RUNNING sort between
+    # these bounds; a partial filter takes no $in before MongoDB 7.0), for `stats`' tasks
+    # pinned to no live worker. One field: a compound key could meet parallel arrays.
+    "pinned": (
+        [(f"{OPTIONS}.{WORKER_IDS}", 1)],
+        {
+            "partialFilterExpression": {
+                f"{OPTIONS}.{WORKER_IDS}": {"$type": "string"},
+                STATE: {"$gte": "PENDING", "$lte": "RUNNING"},
+            }
+        },
+    ),
 }
 # Retention (`taskrunner init --retain-finished 7d`): MongoDB deletes finished tasks itself.
 RETENTION_INDEX: Final = "finished_ttl"

@@ -16,7 +16,7 @@ import structlog
 from pydantic import ValidationError
 
 from taskrunner import fields as f
-from taskrunner import preflight
+from taskrunner import fleet, preflight
 from taskrunner.errors import (
     ChangeStreamEnded,
     InvalidSchedule,
@@ -217,15 +217,17 @@ class TaskRunner:
         ``update_pending`` rewrites params, priority, run time and options of a task no
         worker has started; ``republish_finished`` starts a finished key afresh. A runner
         with handlers refuses a name none of them has (``UnknownTaskName``) unless
-        ``allow_unknown``: the task is for workers of another app.
+        ``allow_unknown``: the task is for workers of another app. ``worker_ids`` that no
+        live worker has give a ``NoLiveWorkerWarning`` (the task is published and waits
+        for one; checking costs one read of the worker registry).
         """
         spec = dict(
             name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
         )
+        new = self.new_task(spec, allow_unknown=allow_unknown)
+        await self._check_live(worker_ids=new.options.worker_ids)
         [task] = await self.store.publish(
-            [self.new_task(spec, allow_unknown=allow_unknown)],
-            update_pending=update_pending,
-            republish_finished=republish_finished,
+            [new], update_pending=update_pending, republish_finished=republish_finished
         )
         return task.bound(self)
 
@@ -241,6 +243,7 @@ class TaskRunner:
         build = partial(self.new_task, allow_unknown=allow_unknown)
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
+        await self._check_live(worker_ids=dict.fromkeys(i for task in new for i in task.options.worker_ids))
         published = await self.store.publish(
             new, update_pending=update_pending, republish_finished=republish_finished
         )
@@ -335,21 +338,38 @@ class TaskRunner:
         return [task.bound(self) for task in found]
 
     async def stats(self) -> TaskStats:
-        """Counts by name and state, the last hour's runs, and the names of pending tasks
-        no live worker serves (from the worker registry)."""
+        """Counts by name and state, the last hour's runs, and what waits for a worker that
+        is not live (from the worker registry): pending tasks of names no live worker
+        serves, and unfinished tasks pinned to ids no live worker has."""
         numbers = await self.store.stats()
-        served = {name for worker in await self.workers() for name in worker.names}
+        workers = await self.workers()
+        served = {name for worker in workers for name in worker.names}
         unserved = {
             name: counts[TaskState.PENDING]
             for name, counts in sorted(numbers.counts.items())
             if counts.get(TaskState.PENDING) and name not in served
         }
-        return numbers.model_copy(update={"unserved": unserved, "paused": await self.paused()})
+        pinned = await self.store.pinned_away([worker.worker_id for worker in workers])
+        return numbers.model_copy(
+            update={"unserved": unserved, "paused": await self.paused(), "pinned_away": pinned}
+        )
 
-    async def pause(self, name: str) -> LimitState:
+    async def _check_live(self, *, names: Iterable[str] = (), worker_ids: Iterable[str] = ()) -> None:
+        """A ``NoLiveWorkerWarning`` at the public method's caller for what no live worker covers."""
+        names, worker_ids = list(names), list(worker_ids)
+        if names or worker_ids:
+            fleet.warn(fleet.not_live(await self.workers(), names=names, worker_ids=worker_ids), 3)
+
+    async def pause(self, name: str, *, force: bool = False) -> LimitState:
         """Stop claiming tasks of ``name`` (``"*"``: every name) on every worker within a
-        second; running tasks finish and publishing goes on (docs/limits.md)."""
-        return await self.store.pause(_limit_name(name), True)
+        second; running tasks finish and publishing goes on (docs/limits.md).
+
+        A name no live worker serves is paused all the same (ahead of a deploy that is
+        right) with a ``NoLiveWorkerWarning`` (a typo otherwise); ``force`` skips the check."""
+        _limit_name(name)
+        if not force and name != ALL:
+            await self._check_live(names=[name])
+        return await self.store.pause(name, True)
 
     async def resume(self, name: str) -> list[LimitState]:
         """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one)."""
@@ -363,13 +383,18 @@ class TaskRunner:
         rate_limit: str | None = None,
         max_running: int | None = None,
         clear: bool = False,
+        force: bool = False,
     ) -> LimitState:
         """Change ``name``'s fleet-wide limits live; workers apply it within a second.
         ``rate_limit="off"`` / ``max_running=0`` lift that limit whatever the code declares;
-        ``clear`` drops what operators set, so the code's limits apply again."""
+        ``clear`` drops what operators set, so the code's limits apply again.
+
+        As ``pause``: a name no live worker serves gets a ``NoLiveWorkerWarning`` unless ``force``."""
         _limit_name(name)
         if name == ALL:
             raise InvalidTask("name", "limits apply to one task name, not '*'")
+        if not force:
+            await self._check_live(names=[name])
         changes: dict[str, Any] = {}
         if rate_limit is not None:
             changes[f.RATE_LIMIT] = None if rate_limit == "off" else str(parse_rate(rate_limit))

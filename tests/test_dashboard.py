@@ -18,7 +18,7 @@ from taskrunner.dashboard import create_app, serve_dashboard
 from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
 from taskrunner.dashboard.snapshots import EXPIRES_IN, Snapshots
-from taskrunner.errors import StoreError
+from taskrunner.errors import NoLiveWorkerWarning, StoreError
 from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Listed, Listing, Store
@@ -60,7 +60,7 @@ async def populate(runner: TaskRunner) -> None:
     async with asyncio.timeout(30):
         await runner.run_worker(drain=True, worker_id="w1")
     await runner.publish("ok", key="pending", delay=3600)
-    await runner.pause("boom")
+    await runner.pause("boom", force=True)  # no worker is live here: the test means it
     await runner.store.beat(worker_info("w2"), 60)
 
 
@@ -601,3 +601,16 @@ async def test_a_read_that_expires_is_read_again_then_and_announced() -> None:
     assert await asyncio.wait_for(fresh.get(), 10) == "schedules"  # the one at its expiry
     assert data(await snapshots.get("schedules", read))["n"] == 2 and calls[0] == 2
     await snapshots.close()
+
+
+async def test_overview_lists_tasks_pinned_to_no_live_worker() -> None:
+    """The overview names the worker_ids that unfinished tasks wait on when no live worker has them."""
+    runner = TaskRunner(store=MemoryStore())
+    await runner.store.beat(worker_info("w1"), 60)
+    with pytest.warns(NoLiveWorkerWarning):
+        await runner.publish("ok", key="lost", worker_ids=["ghost"], allow_unknown=True)
+    await runner.publish("ok", key="mine", worker_ids=["w1"], allow_unknown=True)
+    async with client(runner) as http:
+        page = (await http.get("/")).text
+    assert '<tr data-pinned-away="ghost">' in page and 'href="/tasks/lost"' in page
+    assert "w1</td>" not in page

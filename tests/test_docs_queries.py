@@ -209,7 +209,7 @@ async def _load_sample(uri: str, database: str) -> None:
         # img:45 snoozed on A for ten minutes; the name "digest" is paused.
         await publish("resize", "img:45")
         await store.snooze("img:45", await claim(A, "img:45"), 600)
-        await runner.pause("digest")
+        await runner.pause("digest", force=True)  # no worker is live in the sample
         # "email" is declared with max_running=3; an operator set its rate to 10/s.
         await store.declare_limits("email", {"rate_limit": None, "max_running": 3, "limit_by": None})
         await runner.limit("email", rate_limit="10/s")

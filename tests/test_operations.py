@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,10 @@ from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, Task, TaskRunner, TaskState
+from taskrunner import EntryState, Task, TaskRunner, TaskState, WorkerInfo
 from taskrunner import fields as f
 from taskrunner.cli import app
-from taskrunner.errors import WaitTimeout
+from taskrunner.errors import NoLiveWorkerWarning, WaitTimeout
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
@@ -327,6 +328,85 @@ async def _running_on(runner: TaskRunner, worker_id: str, key: str) -> bool:
 
 async def _ids_are(runner: TaskRunner, ids: set[str]) -> bool:
     return await live_workers(runner) == ids
+
+
+# -- names and ids no live worker has -------------------------------------------------------
+
+
+async def register(runner: TaskRunner, worker_id: str, *names: str) -> None:
+    """A live registration (as a worker's beat writes it), without a worker process."""
+    now = datetime.now(UTC)
+    info = WorkerInfo(worker_id=worker_id, host="h", pid=1, started_at=now, names=list(names), concurrency=1)
+    await runner.store.beat(info, 3600)
+
+
+async def test_pause_and_limit_of_a_name_no_live_worker_serves_warn_and_go_ahead(runner: TaskRunner) -> None:
+    """A typo'd name is paused or limited all the same (ahead of a deploy that is right) with a
+    NoLiveWorkerWarning naming the nearest served name; a served name or force gives none."""
+    await register(runner, "w1", "sleep", "quick")
+    with pytest.warns(NoLiveWorkerWarning, match=r"task name 'sleeep' \(did you mean 'sleep'\?\)") as caught:
+        await runner.pause("sleeep")
+    assert caught[0].message.names == ["sleeep"]  # type: ignore[union-attr]
+    with pytest.warns(NoLiveWorkerWarning, match="task name 'nosuchname'"):
+        await runner.limit("nosuchname", rate_limit="1/s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await runner.pause("sleep")
+        await runner.pause("deploying_next", force=True)
+        await runner.pause("*")
+        await runner.limit("quick", max_running=2)
+        await runner.limit("deploying_next", max_running=1, force=True)
+    assert set(await runner.paused()) == {"sleeep", "sleep", "deploying_next", "*"}
+    assert (await runner.limits("nosuchname"))[1] is not None  # stored: the warning blocks nothing
+
+
+async def test_tasks_pinned_to_ids_no_live_worker_has_warn_and_show_in_stats(runner: TaskRunner) -> None:
+    """publish with worker_ids naming no live worker warns (the task is published and waits);
+    stats lists such unfinished tasks by worker_ids, and names no live worker serves."""
+    await register(runner, "w1", "quick")
+    with pytest.warns(NoLiveWorkerWarning, match=r"worker id 'ghost'") as caught:
+        await runner.publish("quick", key="lost", worker_ids=["ghost"])
+    assert caught[0].message.worker_ids == ["ghost"]  # type: ignore[union-attr]
+    with pytest.warns(NoLiveWorkerWarning, match=r"worker id 'w2'; done anyway"):
+        await runner.publish_many([{"name": "quick", "key": f"b{i}", "worker_ids": ["w2"]} for i in range(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await runner.publish("quick", key="mine", worker_ids=["w1"])
+        await runner.publish("quick", key="anyone")
+    await runner.publish("typo", key="unserved", allow_unknown=True)
+    stats = await runner.stats()
+    assert [(p.worker_ids, p.tasks, p.keys) for p in stats.pinned_away] == [
+        (["w2"], 2, ["b0", "b1"]),
+        (["ghost"], 1, ["lost"]),
+    ]
+    assert stats.unserved == {"typo": 1}
+    assert (await runner.get("lost")).state is TaskState.PENDING
+
+
+async def test_cli_warns_of_names_and_ids_no_live_worker_has_unless_forced(runner: TaskRunner) -> None:
+    """`pause`, `limit` and `publish --worker-id` print one warning line on stderr and exit 0;
+    `--force` prints none; `stats` lists the tasks pinned to no live worker."""
+    await register(runner, "w1", "sleep")
+    paused = await ainvoke(runner, "pause", "sleeep")
+    assert paused.exit_code == 0 and paused.stdout.strip() == "paused: sleeep"
+    assert paused.stderr.startswith(
+        "warning: no live worker serves task name 'sleeep' (did you mean 'sleep'?)"
+    )
+    forced = await ainvoke(runner, "pause", "later", "--force")
+    assert forced.exit_code == 0 and forced.stderr == ""
+    limited = await ainvoke(runner, "limit", "nosuchname", "--rate", "1/s")
+    assert (
+        limited.exit_code == 0 and "warning: no live worker serves task name 'nosuchname'" in limited.stderr
+    )
+    assert (await ainvoke(runner, "limit", "sleep", "--rate", "1/s")).stderr == ""
+    pinned = await ainvoke(runner, "publish", "sleep", "--key", "lost", "--worker-id", "ghost")
+    assert pinned.exit_code == 0 and pinned.stdout.strip() == "lost"
+    assert "warning: no live worker has worker id 'ghost'" in pinned.stderr
+    quiet = await ainvoke(runner, "publish", "sleep", "--key", "soon", "--worker-id", "w9", "--force")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    stats = await ainvoke(runner, "stats")
+    assert "pinned to no live worker: 1 task with worker_ids ghost (lost)" in stats.stdout
+    assert "pinned to no live worker: 1 task with worker_ids w9 (soon)" in stats.stdout
 
 
 # -- documents written by hand -------------------------------------------------------------

@@ -229,6 +229,12 @@ def stats_lines(numbers: TaskStats) -> list[str]:
     if numbers.unserved:
         names = ", ".join(f"{name} ({count} pending)" for name, count in numbers.unserved.items())
         lines.append(f"no live worker serves: {names}")
+    for pinned in numbers.pinned_away:
+        more = ", ..." if pinned.tasks > len(pinned.keys) else ""
+        lines.append(
+            f"pinned to no live worker: {plural(pinned.tasks, 'task')} with worker_ids "
+            f"{', '.join(pinned.worker_ids)} ({', '.join(pinned.keys)}{more})"
+        )
     return lines
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import warnings
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -12,7 +13,7 @@ import typer
 from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import AppRef, Connection, call, connected, fail, seconds
-from taskrunner.errors import WaitTimeout
+from taskrunner.errors import NoLiveWorkerWarning, WaitTimeout
 from taskrunner.models import Task, TaskState
 from taskrunner.runner import TaskRunner
 
@@ -61,6 +62,12 @@ def publish(
     allow_unknown: Annotated[
         bool, typer.Option(help="With --app: publish a name the app has no handler for.")
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Do not warn when no live worker has a --worker-id (it is about to start)."
+        ),
+    ] = False,
     app_ref: AppRef = None,
     *,
     connection: Connection,
@@ -77,22 +84,25 @@ def publish(
         "timeout": run_timeout,
     }
     given = {k: v for k, v in options.items() if v is not None}
-    task = call(
-        connection,
-        lambda runner: runner.publish(
-            name,
-            _parse_params(params),
-            key=key,
-            priority=priority,
-            delay=delay,
-            run_at=run_at,
-            update_pending=update_pending,
-            republish_finished=republish_finished,
-            allow_unknown=allow_unknown,
-            **given,
-        ),
-        app_ref,
-    )
+
+    async def publish_one(runner: TaskRunner) -> Task:
+        with warnings.catch_warnings():
+            if force:  # the operator means it: a worker with that id is about to start
+                warnings.simplefilter("ignore", NoLiveWorkerWarning)
+            return await runner.publish(
+                name,
+                _parse_params(params),
+                key=key,
+                priority=priority,
+                delay=delay,
+                run_at=run_at,
+                update_pending=update_pending,
+                republish_finished=republish_finished,
+                allow_unknown=allow_unknown,
+                **given,
+            )
+
+    task = call(connection, publish_one, app_ref)
     if not task.created:
         render.stderr().print(
             f"task {task.key!r} already exists (state {task.state}); not created", markup=False

@@ -18,7 +18,16 @@ from typing import Any, Literal, Protocol
 from taskrunner import fields as f
 from taskrunner.errors import MalformedTask, StoreError
 from taskrunner.limits import LimitState
-from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
+from taskrunner.models import (
+    NewTask,
+    PinnedAway,
+    Task,
+    TaskError,
+    TaskState,
+    TaskStats,
+    WorkerEntry,
+    WorkerInfo,
+)
 from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
 
@@ -356,6 +365,11 @@ class Store(Protocol):
         """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""
 
     async def stats(self) -> TaskStats: ...
+
+    async def pinned_away(self, live: Sequence[str], *, examples: int = 5) -> list[PinnedAway]:
+        """Unfinished tasks (string key) whose ``options.worker_ids`` hold a string and none
+        of ``live``, grouped by their ``worker_ids``, most tasks first: how many, and the
+        first ``examples`` keys in key order (the ``pinned`` index)."""
 
     async def server_time(self) -> datetime: ...
 

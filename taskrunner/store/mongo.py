@@ -48,7 +48,16 @@ from taskrunner.errors import (
     WriteRejected,
 )
 from taskrunner.limits import LimitState, readable_limit
-from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
+from taskrunner.models import (
+    EntryState,
+    NewTask,
+    PinnedAway,
+    Task,
+    TaskError,
+    TaskState,
+    TaskStats,
+    WorkerInfo,
+)
 from taskrunner.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
 from taskrunner.redact import redact
 from taskrunner.schedules import Schedule, ScheduleState
@@ -675,6 +684,11 @@ class MongoStore:
             finished_last_hour=recent.get(EntryState.SUCCESS.value, 0) + recent.get(EntryState.FAIL.value, 0),
             failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
+
+    async def pinned_away(self, live: Sequence[str], *, examples: int = 5) -> list[PinnedAway]:
+        with mapped_errors():
+            rows = await (await self.collection.aggregate(x.pinned_away(live, examples))).to_list()
+        return [PinnedAway(worker_ids=row["_id"], tasks=row["tasks"], keys=row["keys"]) for row in rows]
 
     async def server_time(self) -> datetime:
         with mapped_errors():
