@@ -489,6 +489,14 @@ class WorkerInfo(BaseModel):
     """Names it serves but does not claim now: paused (``taskrunner pause``)."""
 
 
+class TaskPage(BaseModel):
+    """One page of a listing (``runner.failed``) and where the next one starts: pass
+    ``after`` back for it (None: this is the last page)."""
+
+    tasks: list[Task]
+    after: str | None = None
+
+
 class PinnedAway(BaseModel):
     """Unfinished tasks pinned (``options.worker_ids``) only to ids no live worker has: they
     wait until a worker with one of those ids runs (a typo, a worker gone for good)."""

@@ -32,7 +32,16 @@ from taskrunner.follow import StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
-from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
+from taskrunner.models import (
+    NewTask,
+    Task,
+    TaskOptions,
+    TaskPage,
+    TaskState,
+    TaskStats,
+    WorkerInfo,
+    invalid_task,
+)
 from taskrunner.preflight import ServerCheck
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 from taskrunner.worker_options import WorkerOptions
@@ -337,6 +346,22 @@ class TaskRunner:
         found = await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
         return [task.bound(self) for task in found]
 
+    async def failed(self, *, name: str | None = None, limit: int = 20, after: str | None = None) -> TaskPage:
+        """The dead-letter view: FAIL tasks, the latest failure first (``finished_at``; one
+        without a date there, written by hand, comes last, by key), ``limit`` to a page,
+        of one ``name`` if given. Each task's ``last_error`` says why it failed; the page's
+        ``after`` reads the next page. ``retry`` runs one again, ``purge`` deletes them."""
+        from taskrunner.store.base import Listing, format_position, parse_position
+
+        if limit < 1:
+            raise InvalidTask("limit", f"must be at least 1, got {limit}")
+        listing = Listing(
+            state=TaskState.FAIL, name=name, sort=f.FINISHED_AT, after=parse_position(after), limit=limit
+        )
+        page = await self.store.browse(listing)
+        position = format_position(page.after) if page.after is not None else None
+        return TaskPage(tasks=[task.bound(self) for task in page.tasks], after=position)
+
     async def stats(self) -> TaskStats:
         """Counts by name and state, the last hour's runs, and what waits for a worker that
         is not live (from the worker registry): pending tasks of names no live worker
@@ -429,22 +454,27 @@ class TaskRunner:
         return await self.store.request_stop(worker_id)
 
     async def init(
-        self, *, validator: bool = False, retain_finished: float | timedelta | None = None
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | timedelta | None = None,
+        retain_failed: float | timedelta | None = None,
     ) -> ServerCheck:
         """Create the collection's indexes (idempotent), optionally the validator, and
         with ``retain_finished`` a TTL index so MongoDB deletes tasks that long after they
-        finish (0 removes it).
+        finish (0 removes it). ``retain_failed`` gives FAIL and CANCELED tasks a retention
+        of their own (the finished one then covers SUCCESS only); 0 removes it. None keeps
+        what is installed.
 
         First it checks the server (docs/compatibility.md): one older than taskrunner
         supports raises ``ServerTooOld``; a standalone without change streams or a user
         missing a privilege ``init`` needs comes back as a line in the result's
         ``warnings`` (``taskrunner init`` prints them)."""
-        seconds = (
-            retain_finished.total_seconds() if isinstance(retain_finished, timedelta) else retain_finished
-        )
-        needs = preflight.init_needs(self.collection, validator=validator, retention=seconds is not None)
+        finished, failed = _seconds(retain_finished), _seconds(retain_failed)
+        retention = finished is not None or failed is not None
+        needs = preflight.init_needs(self.collection, validator=validator, retention=retention)
         checked = await preflight.check(self.store, self.database, needs, polling=INIT_POLLING)
-        await self.store.init(validator=validator, retain_finished=seconds)
+        await self.store.init(validator=validator, retain_finished=finished, retain_failed=failed)
         return checked
 
     async def close(self) -> None:
@@ -509,6 +539,10 @@ class TaskRunner:
         from taskrunner.sync import SyncTaskRunner
 
         return SyncTaskRunner(self)
+
+
+def _seconds(duration: float | timedelta | None) -> float | None:
+    return duration.total_seconds() if isinstance(duration, timedelta) else duration
 
 
 def _build(

@@ -36,9 +36,9 @@ class Text(BaseModel):
     text: str = ""
 
 
-def app_runner() -> TaskRunner:
+def app_runner(store: MemoryStore | None = None) -> TaskRunner:
     """A memory runner whose ``ok`` handler returns its text and ``boom`` fails with it."""
-    runner = TaskRunner(store=MemoryStore())
+    runner = TaskRunner(store=store or MemoryStore())
 
     @runner.task("ok")
     async def ok(params: Text, ctx: Any) -> dict[str, str]:
@@ -213,8 +213,33 @@ async def test_schedules_page_shows_the_rate_used_in_the_last_period() -> None:
 async def test_bad_filter_is_a_400() -> None:
     """An unknown state, sort or cursor answers 400, not a stack trace."""
     async with client(TaskRunner(store=MemoryStore())) as http:
-        for query in ("state=DONE", "sort=key", "after=yesterday"):
+        for query in (
+            "state=DONE",
+            "sort=key",
+            "after=yesterday",
+            "sort=failed",
+            "state=SUCCESS&sort=failed",
+        ):
             assert (await http.get(f"/tasks?{query}")).status_code == 400, query
+
+
+async def test_failed_view_lists_failed_tasks_newest_failed_first_with_their_errors() -> None:
+    """``/tasks?state=FAIL&sort=failed`` (the nav's Failed link) lists FAIL tasks, the latest
+    failure first, each with its last error; other states are not in it."""
+    clock = ManualClock()
+    runner = app_runner(MemoryStore(clock=clock))
+    for key in ("early", "late"):
+        await runner.publish("boom", Text(text=f"{key} broke"), key=key)
+        async with asyncio.timeout(30):
+            await runner.run_worker(drain=True, worker_id="w1")
+        clock.advance(60)
+    await runner.publish("ok", key="fine")
+    async with client(runner) as http:
+        overview = (await http.get("/")).text
+        page = (await http.get("/tasks?state=FAIL&sort=failed")).text
+    assert 'href="/tasks?state=FAIL&amp;sort=failed"' in overview
+    assert re.findall(r'<tr data-task-key="([^"]+)">', page) == ["late", "early"]
+    assert "ValueError: late broke" in page and 'value="failed" selected' in page
 
 
 async def test_browse_pages_newest_first_on_each_store(store: Store) -> None:

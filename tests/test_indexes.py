@@ -24,6 +24,7 @@ The rules (MongoDB's ``IndexBoundsBuilder`` and the manual's equality-sort-range
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -385,6 +386,26 @@ def test_a_partial_index_serves_only_queries_that_state_its_filter() -> None:
     assert "pinned" not in serving(TASK_INDEXES, pinned | {f.STATE: {"$in": ["PENDING", "SUCCESS"]}}, [])
     assert "pinned" not in serving(TASK_INDEXES, {ids: "w1", f.STATE: "PENDING"}, [])
     assert serving(TASK_INDEXES, pinned | {f.STATE: "RUNNING"}, []).get("pinned") == "bounds"
+
+
+FAILED_LIST = Listing(state=TaskState.FAIL, sort=f.FINISHED_AT, limit=20)
+
+
+@pytest.mark.parametrize("after", [None, (AT, "k")], ids=["first page", "next page"])
+def test_the_failed_list_walks_the_failed_index(after: tuple[datetime, str] | None) -> None:
+    """``taskrunner failed`` (FAIL tasks, newest failed first) walks the partial ``failed``
+    index in its order, and its part without a finish date is bounded by it clause by clause;
+    a listing of another state cannot use that index."""
+    dated, undated = _listing_queries(replace(FAILED_LIST, after=after))
+    assert dated is not None
+    sort = [(f.FINISHED_AT, -1), (f.KEY, -1)]
+    assert list(serving(TASK_INDEXES, dated, sort)) == ["failed"]
+    rest = {field: predicate for field, predicate in undated.items() if field != "$or"}
+    assert all(
+        serving(TASK_INDEXES, rest | clause, []).get("failed") == "bounds" for clause in undated["$or"]
+    )
+    canceled, _ = _listing_queries(replace(FAILED_LIST, state=TaskState.CANCELED))
+    assert canceled is not None and "failed" not in serving(TASK_INDEXES, canceled, sort)
 
 
 def test_stats_tasks_pinned_to_no_live_worker_read_the_pinned_index() -> None:

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import runs
 from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, Task, TaskRunner, TaskState, WorkerInfo
+from taskrunner import EntryState, Task, TaskError, TaskRunner, TaskState, WorkerInfo
 from taskrunner import fields as f
 from taskrunner.cli import app
 from taskrunner.errors import NoLiveWorkerWarning, WaitTimeout
@@ -250,6 +251,80 @@ async def test_init_retain_finished_installs_changes_and_removes_the_ttl_index(r
     off = await ainvoke(runner, "init", "--retain-finished", "off")
     assert off.exit_code == 0 and "retention off" in off.stdout
     assert await ttl() is None
+
+
+async def test_init_retain_failed_gives_fail_and_canceled_tasks_a_retention_of_their_own(
+    runner: TaskRunner,
+) -> None:
+    """`--retain-failed 30d` installs failed_ttl (FAIL and CANCELED) and narrows finished_ttl to
+    SUCCESS; `off` removes it and finished_ttl covers every finished task again."""
+
+    async def ttls() -> dict[str, tuple[Any, Any, Any]]:
+        indexes = await mongo(runner).collection.index_information()
+        return {
+            name: (spec["key"], spec.get("expireAfterSeconds"), spec.get("partialFilterExpression"))
+            for name, spec in indexes.items()
+            if name in (f.RETENTION_INDEX, f.FAILED_RETENTION_INDEX)
+        }
+
+    both = await ainvoke(runner, "init", "--retain-finished", "1d", "--retain-failed", "30d")
+    assert both.exit_code == 0, both.output
+    assert "failed_ttl deletes FAIL and CANCELED tasks 2592000 s after they finish" in both.stdout
+    assert await ttls() == {
+        "finished_ttl": ([("finished_at", 1)], 86400, {"state": "SUCCESS"}),
+        "failed_ttl": ([("finished_at", -1)], 2592000, {"state": {"$lt": "PENDING"}}),
+    }
+    assert (await ainvoke(runner, "init", "--retain-failed", "30d")).exit_code == 0  # unchanged
+    assert (await ttls())["finished_ttl"] == ([("finished_at", 1)], 86400, {"state": "SUCCESS"})
+    off = await ainvoke(runner, "init", "--retain-failed", "off")
+    assert off.exit_code == 0 and "failed retention off" in off.stdout
+    assert await ttls() == {"finished_ttl": ([("finished_at", 1)], 86400, None)}
+    await runner.init(retain_finished=0, retain_failed=timedelta(days=7))
+    assert await ttls() == {"failed_ttl": ([("finished_at", -1)], 604800, {"state": {"$lt": "PENDING"}})}
+
+
+async def failed_tasks(runner: TaskRunner) -> None:
+    """f1, f2, f3 failed 3, 2 and 1 hours ago; "hand" is FAIL without a finish date (written by
+    hand); one task succeeded, one was canceled, one waits."""
+    store, now = mongo(runner), await runner.store.server_time()
+    for hours, key in ((3, "f1"), (2, "f2"), (1, "f3")):
+        await runner.publish("job", key=key, allow_unknown=True)
+        claim = await store.claim("w1", key=key)
+        assert claim is not None
+        await runs.fail(store, key, claim.run_id, TaskError(type="Boom", message=f"{key} broke"), final=True)
+        await store.collection.update_one(
+            {"key": key}, {"$set": {"finished_at": now - timedelta(hours=hours)}}
+        )
+    await store.collection.insert_one({"key": "hand", "name": "job", "state": "FAIL"})
+    await runner.publish("job", key="ok", allow_unknown=True)
+    claim = await store.claim("w1", key="ok")
+    assert claim is not None
+    await runs.succeed(store, "ok", claim.run_id)
+    await runner.publish("job", key="stopped", allow_unknown=True)
+    await runner.cancel("stopped")
+    await runner.publish("other", key="waiting", allow_unknown=True)
+
+
+async def test_failed_lists_failed_tasks_newest_first_with_their_errors_page_by_page(
+    runner: TaskRunner,
+) -> None:
+    """`runner.failed` (the dead-letter view) returns FAIL tasks only, the latest failure first and
+    undated ones last, a page at a time; `taskrunner failed` shows each error and the next page."""
+    await failed_tasks(runner)
+    first = await runner.failed(limit=2)
+    assert [t.key for t in first.tasks] == ["f3", "f2"] and first.after is not None
+    assert first.tasks[0].last_error == TaskError(type="Boom", message="f3 broke")
+    second = await runner.failed(limit=2, after=first.after)
+    assert [t.key for t in second.tasks] == ["f1", "hand"]
+    assert [t.key for t in (await runner.failed(limit=2, after=second.after)).tasks] == []
+    assert [t.key for t in (await runner.failed(name="other")).tasks] == []
+    table = await ainvoke(runner, "failed", "--limit", "2")
+    assert table.exit_code == 0 and "Boom: f3 broke" in table.stdout and "f1" not in table.stdout
+    assert table.stderr.startswith("next page: taskrunner failed --limit 2 --after ")
+    after = table.stderr.split("--after ", 1)[1].strip().strip("'")
+    rest = await ainvoke(runner, "failed", "--limit", "2", "--after", after, "--json")
+    assert [json.loads(line)["key"] for line in rest.stdout.splitlines()] == ["f1", "hand"]
+    assert (await ainvoke(runner, "failed", "--after", "nonsense")).exit_code == 1
 
 
 # -- the worker registry --------------------------------------------------------------------

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from taskrunner.limits import ALL
-from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo
+from taskrunner.models import EntryState, Task, TaskState, TaskStats, WorkerInfo
 from taskrunner.schedules import ScheduleView
 
 PIPED_WIDTH = 10_000  # no line limit: rich needs a number
@@ -202,6 +202,24 @@ def tasks_table(tasks: list[Task]) -> Table:
     ]
     columns = ("key", "name", "state", "priority", "workers", "age", "last error")
     return table(plural(len(tasks), "task"), columns, rows, whole=("state", "priority", "age"))
+
+
+def failed_table(tasks: list[Task]) -> Table:
+    """The dead-letter view: when each failed, its failed runs, the last run's worker and the error."""
+    now = datetime.now(UTC)
+    rows = [
+        (
+            task.key,
+            task.name,
+            f"{ago(task.finished_at, now)} ago" if task.finished_at else "-",
+            task.failures,
+            next((w.worker_id for w in reversed(task.workers) if w.state is EntryState.FAIL), "-"),
+            f"{task.last_error.type}: {task.last_error.message}" if task.last_error else "-",
+        )
+        for task in tasks
+    ]
+    columns = ("key", "name", "failed", "failures", "worker", "error")
+    return table(plural(len(tasks), "failed task"), columns, rows, whole=("failed", "failures"))
 
 
 def counts_table(numbers: TaskStats) -> Table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import shlex
 import warnings
 from datetime import datetime
 from typing import Annotated, Any
@@ -143,6 +144,32 @@ def list_command(
             render.print_json(task.model_dump_json())
     else:
         render.print_table(render.stdout(), render.tasks_table(tasks)) if tasks else print("no tasks match")
+
+
+@command(app, "failed")
+@connected()
+def failed_command(
+    name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Tasks per page.")] = 20,
+    after: Annotated[
+        str | None, typer.Option(metavar="POSITION", help="Start after this position (printed under a page).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One task per line as JSON.")] = False,
+    *,
+    connection: Connection,
+) -> None:
+    """Failed tasks (the dead letters), the latest failure first, with each one's error."""
+    page = call(connection, lambda runner: runner.failed(name=name, limit=limit, after=after))
+    if as_json:
+        for task in page.tasks:
+            render.print_json(task.model_dump_json())
+    elif page.tasks:
+        render.print_table(render.stdout(), render.failed_table(page.tasks))
+    else:
+        print("no failed tasks" if after is None else "no more failed tasks")
+    if page.after is not None:
+        again = ["taskrunner failed", *([f"--name {shlex.quote(name)}"] if name else []), f"--limit {limit}"]
+        render.stderr().print(f"next page: {' '.join(again)} --after {shlex.quote(page.after)}", markup=False)
 
 
 @command(app)

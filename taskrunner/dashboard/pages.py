@@ -15,13 +15,14 @@ from taskrunner.gates import GateDoc
 from taskrunner.limits import LimitState
 from taskrunner.models import EntryState, Task, TaskState
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import Listing, Position
+from taskrunner.store.base import Listing, Position, format_position, parse_position
 
 PAGE_SIZE = 50
 RECENT = 200  # tasks sampled (newest updated first, by index) for the throughput chart
 CHART_MINUTES = 10
 FINISHED_RUNS = (EntryState.SUCCESS, EntryState.FAIL)
-SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT}
+SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT, "failed": f.FINISHED_AT}
+FAILED_ONLY = "failed"  # the sort the failed index serves: FAIL tasks only
 
 
 @dataclass
@@ -95,14 +96,16 @@ class TaskFilter:
         if state is not None and state not in TaskState.__members__:
             raise InvalidTask("state", f"unknown state {state!r}")
         if sort not in SORTS:
-            raise InvalidTask("sort", "sort is created or updated")
+            raise InvalidTask("sort", "sort is created, updated or failed")
+        if sort == FAILED_ONLY and state != TaskState.FAIL.value:
+            raise InvalidTask("sort", "sort=failed lists failed tasks: add state=FAIL")
         return cls(
             TaskState(state) if state else None,
             query.get("name") or None,
             query.get("prefix") or None,
             query.get("worker") or None,
             sort,
-            parse_cursor(query.get("after")),
+            parse_position(query.get("after")),
         )
 
     def listing(self) -> Listing:
@@ -112,7 +115,7 @@ class TaskFilter:
 
     def page(self) -> str:
         """The key of this listing's snapshot (``tasks?state=FAIL&sort=created``)."""
-        after = format_cursor(*self.after) if self.after else None
+        after = format_position(self.after) if self.after else None
         return "tasks?" + urlencode(self.query(after=after))
 
     def query(self, **changes: str | None) -> dict[str, str]:
@@ -122,27 +125,9 @@ class TaskFilter:
         return {k: v for k, v in (params | changes).items() if v}
 
 
-def format_cursor(at: datetime | None, key: str) -> str:
-    """The ``after`` text of a position: what ``parse_cursor`` reads back (no time: the
-    listing's part whose sort value is not a date)."""
-    return f"{at.isoformat() if at is not None else ''}|{key}"
-
-
-def parse_cursor(text: str | None) -> Position | None:
-    if not text:
-        return None
-    at, bar, key = text.partition("|")
-    if not bar:
-        raise InvalidTask("after", "not a position in the list")
-    try:
-        return (datetime.fromisoformat(at) if at else None), key
-    except ValueError:
-        raise InvalidTask("after", "not a position in the list") from None
-
-
 async def task_list(runner: TaskRunner, chosen: TaskFilter) -> dict[str, Any]:
     page = await runner.store.browse(chosen.listing())
-    after = format_cursor(*page.after) if page.after else None
+    after = format_position(page.after) if page.after else None
     return {"tasks": page.tasks, "filter": chosen, "next": chosen.query(after=after) if after else None}
 
 

@@ -158,7 +158,13 @@ class MemoryStore:
         return len(streams)
 
     # -- Store --------------------------------------------------------------------
-    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
+    async def init(
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | None = None,
+        retain_failed: float | None = None,
+    ) -> None:
         return None
 
     async def publish(
