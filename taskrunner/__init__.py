@@ -14,6 +14,7 @@ from taskrunner.errors import (
     InvalidState,
     InvalidTask,
     MalformedTask,
+    NoLiveWorkerWarning,
     RateLimited,
     Retry,
     RunnerClosed,
@@ -32,11 +33,13 @@ from taskrunner.limits import LimitState
 from taskrunner.models import (
     EntryState,
     NewTask,
+    PinnedAway,
     StoredTask,
     SyncTask,
     Task,
     TaskError,
     TaskOptions,
+    TaskPage,
     TaskState,
     TaskStats,
     WorkerEntry,
@@ -52,8 +55,9 @@ from taskrunner.worker_options import WorkerOptions
 
 # The public API is what a user's code names: what it builds or calls (runners, the
 # worker and its options, the memory store for tests), what handlers raise (Fail, Retry,
-# RateLimited), what callers catch (the errors public methods document), and the types
-# of the values public methods return or hand to handlers, so code can annotate them.
+# RateLimited), what callers catch or filter (the errors and warnings public methods
+# document), and the types of the values public methods return or hand to handlers, so
+# code can annotate them.
 # Engine internals (the store protocol and MongoStore, claims, change events, errors the
 # worker handles itself) stay importable from their modules, outside this promise.
 __all__ = [
@@ -70,6 +74,8 @@ __all__ = [
     "MalformedTask",
     "MemoryStore",
     "NewTask",
+    "NoLiveWorkerWarning",
+    "PinnedAway",
     "RateLimited",
     "Retry",
     "RunnerClosed",
@@ -90,6 +96,7 @@ __all__ = [
     "TaskError",
     "TaskNotFound",
     "TaskOptions",
+    "TaskPage",
     "TaskRunner",
     "TaskRunnerError",
     "TaskState",

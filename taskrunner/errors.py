@@ -27,6 +27,9 @@
         ├── ChangeStreamEnded           the server ended a change stream; open a new one, rescan
         └── ChangeStreamsUnsupported    e.g. a standalone mongod; poll instead
 
+    NoLiveWorkerWarning (UserWarning)   a warning, not an error: pause, limit or publish named a
+                                        task name no live worker serves or an id no live worker has
+
     Fail (Exception)                    raised by a handler: FAIL now, never retried
     Retry (Exception)                   raised by a handler: run again later, no failure counted
     └── RateLimited                     ... and start no task of this name for a while
@@ -238,6 +241,20 @@ class ChangeStreamEnded(StoreError):
 
 class ChangeStreamsUnsupported(StoreError):
     """The server offers no change streams (a standalone mongod): fall back to polling."""
+
+
+class NoLiveWorkerWarning(UserWarning):
+    """``pause``, ``limit`` or ``publish(worker_ids=...)`` named a task name no live worker
+    serves (``names``) or a worker id no live worker has (``worker_ids``), per the worker
+    registry. The call went ahead: a pause or a limit set ahead of a deploy, or a task
+    pinned to a worker about to start, is legitimate; otherwise it is likely a typo, and
+    the message suggests the nearest live name or id. Turn it into an error with
+    ``warnings.simplefilter("error", NoLiveWorkerWarning)``; the CLI prints it, and its
+    ``--force`` skips the check."""
+
+    def __init__(self, message: str, *, names: list[str], worker_ids: list[str]) -> None:
+        self.names, self.worker_ids = names, worker_ids
+        super().__init__(message)
 
 
 class Fail(Exception):

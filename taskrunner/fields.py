@@ -209,6 +209,8 @@ def ref(path: str) -> str:
 # worker: which tasks a worker runs or ran (`taskrunner list --worker`).
 # created, updated: the dashboard's task list, newest first, paged by (time, key) without
 #   a skip; updated costs every write one more index entry, the price of a live list.
+# failed: the dead-letter view (`taskrunner failed`, the dashboard's failed list), FAIL
+#   tasks newest failed first; partial, so only failed tasks are in it.
 INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "key_unique": ([(KEY, 1)], {"unique": True}),
     "claim": ([(STATE, 1), (CLAIMABLE_AT, 1), (PRIORITY, -1), (CREATED_AT, 1)], {}),
@@ -216,9 +218,29 @@ INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "worker": ([(f"{WORKERS}.{WORKER_ID}", 1)], {}),
     "created": ([(CREATED_AT, -1), (KEY, -1)], {}),
     "updated": ([(UPDATED_AT, -1), (KEY, -1)], {}),
+    "failed": ([(FINISHED_AT, -1), (KEY, -1)], {"partialFilterExpression": {STATE: "FAIL"}}),
+    # Partial: only unfinished tasks pinned to worker ids (PENDING and RUNNING sort between
+    # these bounds; a partial filter takes no $in before MongoDB 7.0), for `stats`' tasks
+    # pinned to no live worker. One field: a compound key could meet parallel arrays.
+    "pinned": (
+        [(f"{OPTIONS}.{WORKER_IDS}", 1)],
+        {
+            "partialFilterExpression": {
+                f"{OPTIONS}.{WORKER_IDS}": {"$type": "string"},
+                STATE: {"$gte": "PENDING", "$lte": "RUNNING"},
+            }
+        },
+    ),
 }
 # Retention (`taskrunner init --retain-finished 7d`): MongoDB deletes finished tasks itself.
 RETENTION_INDEX: Final = "finished_ttl"
+# Retention of tasks that did not succeed (`init --retain-failed 30d`): FAIL and CANCELED,
+# the states that sort before PENDING (a partial filter takes no $in before MongoDB 7.0).
+# With it, finished_ttl keeps to SUCCESS. Two indexes may not share a key pattern before
+# MongoDB 5.0, hence finished_at descending here.
+FAILED_RETENTION_INDEX: Final = "failed_ttl"
+SUCCEEDED: Final[dict[str, Any]] = {STATE: "SUCCESS"}
+UNSUCCESSFUL: Final[dict[str, Any]] = {STATE: {"$lt": "PENDING"}}
 
 # The registry: live workers, expired by MongoDB's TTL monitor once they stop beating.
 REGISTRY_INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {

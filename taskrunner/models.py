@@ -589,6 +589,30 @@ class WorkerInfo(BaseModel):
     """Names it serves but does not claim now: paused (``taskrunner pause``)."""
 
 
+class TaskPage(BaseModel):
+    """One page of a listing (``runner.failed``) and where the next one starts: pass
+    ``after`` back for it (None: this is the last page)."""
+
+    tasks: list[Task]
+    after: str | None = None
+
+
+class PinnedAway(BaseModel):
+    """Unfinished tasks pinned (``options.worker_ids``) only to ids no live worker has: they
+    wait until a worker with one of those ids runs (a typo, a worker gone for good)."""
+
+    worker_ids: list[str]
+    tasks: int
+    keys: list[str]
+    """The first few of their keys, in key order."""
+
+    @field_validator("worker_ids", mode="before")
+    @classmethod
+    def _as_text(cls, value: Any) -> list[str]:
+        """A stored ``worker_ids`` as text: an array's items, or a lone value written by hand."""
+        return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
 class TaskStats(BaseModel):
     """Counts for dashboards, computed by one aggregation (``taskrunner stats``)."""
 
@@ -604,6 +628,8 @@ class TaskStats(BaseModel):
     """Task names paused (``taskrunner pause``); ``"*"`` when every name is."""
     unserved: dict[str, int] = Field(default_factory=dict)
     """Task name -> PENDING tasks, for names no live worker serves (a typo, a missing deploy)."""
+    pinned_away: list[PinnedAway] = Field(default_factory=list)
+    """Unfinished tasks whose ``worker_ids`` name no live worker, by their ``worker_ids``."""
 
     @property
     def failure_rate_last_hour(self) -> float | None:

@@ -16,7 +16,7 @@ import structlog
 from pydantic import ValidationError
 
 from taskrunner import fields as f
-from taskrunner import preflight
+from taskrunner import fleet, preflight
 from taskrunner.errors import (
     ChangeStreamEnded,
     InvalidSchedule,
@@ -32,7 +32,16 @@ from taskrunner.follow import StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
-from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
+from taskrunner.models import (
+    NewTask,
+    Task,
+    TaskOptions,
+    TaskPage,
+    TaskState,
+    TaskStats,
+    WorkerInfo,
+    invalid_task,
+)
 from taskrunner.preflight import ServerCheck
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 from taskrunner.worker_options import WorkerOptions
@@ -228,15 +237,17 @@ class TaskRunner:
         priority 0, params ``{}``, the handler's option defaults). ``republish_finished``
         starts a finished key afresh. A runner with handlers refuses a name none of them
         has (``UnknownTaskName``) unless ``allow_unknown``: the task is for workers of
-        another app.
+        another app. ``worker_ids`` that no live worker has give a
+        ``NoLiveWorkerWarning`` (the task is published and waits for one; checking costs one
+        read of the worker registry).
         """
         spec = dict(
             name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
         )
+        new = self.new_task(spec, allow_unknown=allow_unknown)
+        await self._check_live(worker_ids=new.options.worker_ids)
         [task] = await self.store.publish(
-            [self.new_task(spec, allow_unknown=allow_unknown)],
-            update_pending=update_pending,
-            republish_finished=republish_finished,
+            [new], update_pending=update_pending, republish_finished=republish_finished
         )
         return task.bound(self)
 
@@ -252,6 +263,7 @@ class TaskRunner:
         build = partial(self.new_task, allow_unknown=allow_unknown)
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
+        await self._check_live(worker_ids=dict.fromkeys(i for task in new for i in task.options.worker_ids))
         published = await self.store.publish(
             new, update_pending=update_pending, republish_finished=republish_finished
         )
@@ -340,22 +352,55 @@ class TaskRunner:
         found = await self.store.find(state=state, name=name, worker_id=worker_id, limit=limit)
         return [task.bound(self) for task in found]
 
+    async def failed(self, *, name: str | None = None, limit: int = 20, after: str | None = None) -> TaskPage:
+        """The dead-letter view: FAIL tasks, the latest failure first (``finished_at``; one
+        without a date there, written by hand, comes last, by key), ``limit`` to a page,
+        of one ``name`` if given. Each task's ``last_error`` says why it failed; the page's
+        ``after`` reads the next page. ``retry`` runs one again, ``purge`` deletes them."""
+        from taskrunner.store.base import Listing, format_position, parse_position
+
+        if limit < 1:
+            raise InvalidTask("limit", f"must be at least 1, got {limit}")
+        listing = Listing(
+            state=TaskState.FAIL, name=name, sort=f.FINISHED_AT, after=parse_position(after), limit=limit
+        )
+        page = await self.store.browse(listing)
+        position = format_position(page.after) if page.after is not None else None
+        return TaskPage(tasks=[task.bound(self) for task in page.tasks], after=position)
+
     async def stats(self) -> TaskStats:
-        """Counts by name and state, the last hour's runs, and the names of pending tasks
-        no live worker serves (from the worker registry)."""
+        """Counts by name and state, the last hour's runs, and what waits for a worker that
+        is not live (from the worker registry): pending tasks of names no live worker
+        serves, and unfinished tasks pinned to ids no live worker has."""
         numbers = await self.store.stats()
-        served = {name for worker in await self.workers() for name in worker.names}
+        workers = await self.workers()
+        served = {name for worker in workers for name in worker.names}
         unserved = {
             name: counts[TaskState.PENDING]
             for name, counts in sorted(numbers.counts.items())
             if counts.get(TaskState.PENDING) and name not in served
         }
-        return numbers.model_copy(update={"unserved": unserved, "paused": await self.paused()})
+        pinned = await self.store.pinned_away([worker.worker_id for worker in workers])
+        return numbers.model_copy(
+            update={"unserved": unserved, "paused": await self.paused(), "pinned_away": pinned}
+        )
 
-    async def pause(self, name: str) -> LimitState:
+    async def _check_live(self, *, names: Iterable[str] = (), worker_ids: Iterable[str] = ()) -> None:
+        """A ``NoLiveWorkerWarning`` at the public method's caller for what no live worker covers."""
+        names, worker_ids = list(names), list(worker_ids)
+        if names or worker_ids:
+            fleet.warn(fleet.not_live(await self.workers(), names=names, worker_ids=worker_ids), 3)
+
+    async def pause(self, name: str, *, force: bool = False) -> LimitState:
         """Stop claiming tasks of ``name`` (``"*"``: every name) on every worker within a
-        second; running tasks finish and publishing goes on (docs/limits.md)."""
-        return await self.store.pause(_limit_name(name), True)
+        second; running tasks finish and publishing goes on (docs/limits.md).
+
+        A name no live worker serves is paused all the same (ahead of a deploy that is
+        right) with a ``NoLiveWorkerWarning`` (a typo otherwise); ``force`` skips the check."""
+        _limit_name(name)
+        if not force and name != ALL:
+            await self._check_live(names=[name])
+        return await self.store.pause(name, True)
 
     async def resume(self, name: str) -> list[LimitState]:
         """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one)."""
@@ -369,13 +414,18 @@ class TaskRunner:
         rate_limit: str | None = None,
         max_running: int | None = None,
         clear: bool = False,
+        force: bool = False,
     ) -> LimitState:
         """Change ``name``'s fleet-wide limits live; workers apply it within a second.
         ``rate_limit="off"`` / ``max_running=0`` lift that limit whatever the code declares;
-        ``clear`` drops what operators set, so the code's limits apply again."""
+        ``clear`` drops what operators set, so the code's limits apply again.
+
+        As ``pause``: a name no live worker serves gets a ``NoLiveWorkerWarning`` unless ``force``."""
         _limit_name(name)
         if name == ALL:
             raise InvalidTask("name", "limits apply to one task name, not '*'")
+        if not force:
+            await self._check_live(names=[name])
         changes: dict[str, Any] = {}
         if rate_limit is not None:
             changes[f.RATE_LIMIT] = None if rate_limit == "off" else str(parse_rate(rate_limit))
@@ -410,22 +460,27 @@ class TaskRunner:
         return await self.store.request_stop(worker_id)
 
     async def init(
-        self, *, validator: bool = False, retain_finished: float | timedelta | None = None
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | timedelta | None = None,
+        retain_failed: float | timedelta | None = None,
     ) -> ServerCheck:
         """Create the collection's indexes (idempotent), optionally the validator, and
         with ``retain_finished`` a TTL index so MongoDB deletes tasks that long after they
-        finish (0 removes it).
+        finish (0 removes it). ``retain_failed`` gives FAIL and CANCELED tasks a retention
+        of their own (the finished one then covers SUCCESS only); 0 removes it. None keeps
+        what is installed.
 
         First it checks the server (docs/compatibility.md): one older than taskrunner
         supports raises ``ServerTooOld``; a standalone without change streams or a user
         missing a privilege ``init`` needs comes back as a line in the result's
         ``warnings`` (``taskrunner init`` prints them)."""
-        seconds = (
-            retain_finished.total_seconds() if isinstance(retain_finished, timedelta) else retain_finished
-        )
-        needs = preflight.init_needs(self.collection, validator=validator, retention=seconds is not None)
+        finished, failed = _seconds(retain_finished), _seconds(retain_failed)
+        retention = finished is not None or failed is not None
+        needs = preflight.init_needs(self.collection, validator=validator, retention=retention)
         checked = await preflight.check(self.store, self.database, needs, polling=INIT_POLLING)
-        await self.store.init(validator=validator, retain_finished=seconds)
+        await self.store.init(validator=validator, retain_finished=finished, retain_failed=failed)
         return checked
 
     async def close(self) -> None:
@@ -490,6 +545,10 @@ class TaskRunner:
         from taskrunner.sync import SyncTaskRunner
 
         return SyncTaskRunner(self)
+
+
+def _seconds(duration: float | timedelta | None) -> float | None:
+    return duration.total_seconds() if isinstance(duration, timedelta) else duration
 
 
 def _build(

@@ -17,14 +17,14 @@ from taskrunner import fields as f
 from taskrunner.dashboard import create_app, serve_dashboard
 from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
-from taskrunner.dashboard.snapshots import Snapshots
-from taskrunner.errors import StoreError
+from taskrunner.dashboard.snapshots import EXPIRES_IN, Snapshots
+from taskrunner.errors import NoLiveWorkerWarning, StoreError
 from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.store.base import Listed, Listing, Store
 from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore
-from taskrunner.testing import wait_for
+from taskrunner.testing import ManualClock, wait_for
 
 TOKEN = "secret-token"
 PAGES = ["/", "/tasks", "/workers", "/schedules", "/tasks?state=PENDING&sort=updated"]
@@ -36,9 +36,9 @@ class Text(BaseModel):
     text: str = ""
 
 
-def app_runner() -> TaskRunner:
+def app_runner(store: MemoryStore | None = None) -> TaskRunner:
     """A memory runner whose ``ok`` handler returns its text and ``boom`` fails with it."""
-    runner = TaskRunner(store=MemoryStore())
+    runner = TaskRunner(store=store or MemoryStore())
 
     @runner.task("ok")
     async def ok(params: Text, ctx: Any) -> dict[str, str]:
@@ -60,7 +60,7 @@ async def populate(runner: TaskRunner) -> None:
     async with asyncio.timeout(30):
         await runner.run_worker(drain=True, worker_id="w1")
     await runner.publish("ok", key="pending", delay=3600)
-    await runner.pause("boom")
+    await runner.pause("boom", force=True)  # no worker is live here: the test means it
     await runner.store.beat(worker_info("w2"), 60)
 
 
@@ -213,8 +213,33 @@ async def test_schedules_page_shows_the_rate_used_in_the_last_period() -> None:
 async def test_bad_filter_is_a_400() -> None:
     """An unknown state, sort or cursor answers 400, not a stack trace."""
     async with client(TaskRunner(store=MemoryStore())) as http:
-        for query in ("state=DONE", "sort=key", "after=yesterday"):
+        for query in (
+            "state=DONE",
+            "sort=key",
+            "after=yesterday",
+            "sort=failed",
+            "state=SUCCESS&sort=failed",
+        ):
             assert (await http.get(f"/tasks?{query}")).status_code == 400, query
+
+
+async def test_failed_view_lists_failed_tasks_newest_failed_first_with_their_errors() -> None:
+    """``/tasks?state=FAIL&sort=failed`` (the nav's Failed link) lists FAIL tasks, the latest
+    failure first, each with its last error; other states are not in it."""
+    clock = ManualClock()
+    runner = app_runner(MemoryStore(clock=clock))
+    for key in ("early", "late"):
+        await runner.publish("boom", Text(text=f"{key} broke"), key=key)
+        async with asyncio.timeout(30):
+            await runner.run_worker(drain=True, worker_id="w1")
+        clock.advance(60)
+    await runner.publish("ok", key="fine")
+    async with client(runner) as http:
+        overview = (await http.get("/")).text
+        page = (await http.get("/tasks?state=FAIL&sort=failed")).text
+    assert 'href="/tasks?state=FAIL&amp;sort=failed"' in overview
+    assert re.findall(r'<tr data-task-key="([^"]+)">', page) == ["late", "early"]
+    assert "ValueError: late broke" in page and 'value="failed" selected' in page
 
 
 async def test_browse_pages_newest_first_on_each_store(store: Store) -> None:
@@ -283,25 +308,76 @@ async def test_action_without_token_is_refused(populated: TaskRunner) -> None:
 async def test_action_with_token_but_without_csrf_is_refused(populated: TaskRunner) -> None:
     """The token cookie alone (a cross-site form would carry it) is not enough: 403."""
     async with client(populated, allow_actions=True, token=TOKEN) as http:
-        await http.get(f"/login?token={TOKEN}")
+        await log_in(http)
         missing = await http.post("/actions/cancel", data={"key": "pending"})
         wrong = await http.post("/actions/cancel", data={"key": "pending", "csrf": "guess"})
     assert missing.status_code == 403 and wrong.status_code == 403
     assert (await populated.get("pending")).state is TaskState.PENDING
 
 
+async def log_in(http: httpx.AsyncClient, token: str = TOKEN) -> httpx.Response:
+    """Open the login form and post the token with the form's CSRF token, as a browser does."""
+    form = await http.get("/login")
+    return await http.post("/login", data={"token": token, "csrf": csrf_of(form.text)})
+
+
 async def test_wrong_token_does_not_log_in(populated: TaskRunner) -> None:
-    """``/login`` with another token answers 403 and sets no token cookie."""
+    """The login form posted with another token answers 403 and sets no token cookie."""
     async with client(populated, allow_actions=True, token=TOKEN) as http:
-        response = await http.get("/login?token=nope")
+        response = await log_in(http, "nope")
     assert response.status_code == 403
     assert "taskrunner_token" not in response.headers.get("set-cookie", "")
+
+
+async def test_login_takes_the_token_from_a_posted_form_never_from_the_url(populated: TaskRunner) -> None:
+    """A token in ``/login``'s URL logs nobody in (it would land in logs and history); the
+    posted form with its CSRF token sets an HttpOnly, SameSite=Strict cookie that acts."""
+    async with client(populated, allow_actions=True, token=TOKEN) as http:
+        in_url = await http.get(f"/login?token={TOKEN}")
+        assert in_url.status_code == 400 and "taskrunner_token" not in http.cookies
+        assert 'name="token"' in in_url.text and "never accepted" in in_url.text
+        forged = await http.post("/login", data={"token": TOKEN, "csrf": "guess"})
+        assert forged.status_code == 403 and "taskrunner_token" not in http.cookies
+        response = await log_in(http)
+        cookie = response.headers["set-cookie"].lower()
+        page = (await http.get("/tasks/pending")).text
+        cancel = await http.post("/actions/cancel", data={"key": "pending", "csrf": csrf_of(page)})
+    assert response.status_code == 303 and response.headers["location"] == "/"
+    assert cookie.startswith("taskrunner_token=") and "httponly" in cookie and "samesite=strict" in cookie
+    assert TOKEN not in response.headers["location"]
+    assert cancel.status_code == 303
+    assert (await populated.get("pending")).state is TaskState.CANCELED
+
+
+async def test_served_dashboard_prints_no_token_in_a_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """With actions, the printed login address carries no token; a made-up token is printed
+    on its own line, one from the environment not at all."""
+    for given in (None, TOKEN):
+        serving = asyncio.create_task(
+            serve_dashboard(TaskRunner(store=MemoryStore()), port=0, allow_actions=True, token=given)
+        )
+        try:
+            async with asyncio.timeout(10):
+                while "action token:" not in (out := capsys.readouterr().out):
+                    await asyncio.sleep(0.05)
+        finally:
+            serving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await serving
+        urls = re.findall(r"http://\S+", out)
+        assert urls and all("token" not in url for url in urls), out
+        line = re.search(r"action token: (.+)", out)
+        assert line is not None, out
+        if given is None:
+            assert re.fullmatch(r"[\w-]{20,}", line.group(1)), out  # the made-up one, to paste
+        else:
+            assert TOKEN not in out
 
 
 async def test_action_with_token_and_csrf_cancels_the_task(populated: TaskRunner) -> None:
     """Logged in with the token, the page's cancel form cancels the task."""
     async with client(populated, allow_actions=True, token=TOKEN) as http:
-        await http.get(f"/login?token={TOKEN}")
+        await log_in(http)
         page = (await http.get("/tasks/pending")).text
         assert '<button type="submit" data-action="cancel">' in page
         response = await http.post("/actions/cancel", data={"key": "pending", "csrf": csrf_of(page)})
@@ -312,7 +388,7 @@ async def test_action_with_token_and_csrf_cancels_the_task(populated: TaskRunner
 async def test_pause_and_resume_actions(populated: TaskRunner) -> None:
     """Resume and pause from the schedules page call the runner's pause and resume."""
     async with client(populated, allow_actions=True, token=TOKEN) as http:
-        await http.get(f"/login?token={TOKEN}")
+        await log_in(http)
         csrf = csrf_of((await http.get("/schedules")).text)
         await http.post("/actions/resume", data={"name": "boom", "csrf": csrf})
         assert await populated.paused() == []
@@ -323,7 +399,7 @@ async def test_pause_and_resume_actions(populated: TaskRunner) -> None:
 async def test_action_on_a_finished_task_is_a_400(populated: TaskRunner) -> None:
     """Cancelling a task that succeeded is refused by the runner: an error page, not a crash."""
     async with client(populated, allow_actions=True, token=TOKEN) as http:
-        await http.get(f"/login?token={TOKEN}")
+        await log_in(http)
         csrf = csrf_of((await http.get("/tasks/pending")).text)
         response = await http.post("/actions/cancel", data={"key": XSS_KEY, "csrf": csrf})
     assert response.status_code == 400
@@ -515,3 +591,51 @@ async def test_a_failed_background_read_keeps_the_last_snapshot() -> None:
     await wait_for(lambda: not snapshots.reading, 10, "the background read to end")
     assert data(await snapshots.get("overview", read)) == {"n": 1}
     assert read.calls >= 2
+
+
+async def test_schedules_page_shows_only_throttles_that_still_hold() -> None:
+    """A ``RateLimited`` throttle that ended by server time is not shown; one that holds
+    (on the name or on one ``limit_by`` gate) is, with its end."""
+    clock = ManualClock()
+    runner = TaskRunner(store=MemoryStore(clock=clock))
+    await runner.store.throttle("ended", 5)
+    ended = clock.now + timedelta(seconds=5)
+    clock.advance(10)
+    await runner.store.throttle("held", 60)
+    await runner.store.throttle("held", 30, gate='held#"acme"')
+    async with client(runner) as http:
+        page = (await http.get("/schedules")).text
+    assert 'data-limit="ended"' in page and ended.isoformat() not in page
+    assert page.count('data-throttled="held"') == 2 and "held#&#34;acme&#34;:" in page
+    assert (clock.now + timedelta(seconds=60)).isoformat() in page
+    assert 'data-throttled="ended"' not in page
+
+
+async def test_a_read_that_expires_is_read_again_then_and_announced() -> None:
+    """A page read naming when its figures go out of date (a throttle's end) is read again
+    at that time without any request or change, and the tabs are told."""
+    fresh, calls = asyncio.Queue[str](), [0]
+
+    async def read() -> dict[str, Any]:
+        calls[0] += 1
+        return {"n": calls[0], EXPIRES_IN: 0.2 if calls[0] == 1 else None}
+
+    snapshots = Snapshots(lambda: 0, fresh.put_nowait, max_age=3600)
+    assert data(await snapshots.get("schedules", read))["n"] == 1
+    assert await asyncio.wait_for(fresh.get(), 10) == "schedules"  # the first read
+    assert await asyncio.wait_for(fresh.get(), 10) == "schedules"  # the one at its expiry
+    assert data(await snapshots.get("schedules", read))["n"] == 2 and calls[0] == 2
+    await snapshots.close()
+
+
+async def test_overview_lists_tasks_pinned_to_no_live_worker() -> None:
+    """The overview names the worker_ids that unfinished tasks wait on when no live worker has them."""
+    runner = TaskRunner(store=MemoryStore())
+    await runner.store.beat(worker_info("w1"), 60)
+    with pytest.warns(NoLiveWorkerWarning):
+        await runner.publish("ok", key="lost", worker_ids=["ghost"], allow_unknown=True)
+    await runner.publish("ok", key="mine", worker_ids=["w1"], allow_unknown=True)
+    async with client(runner) as http:
+        page = (await http.get("/")).text
+    assert '<tr data-pinned-away="ghost">' in page and 'href="/tasks/lost"' in page
+    assert "w1</td>" not in page

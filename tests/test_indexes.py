@@ -24,6 +24,7 @@ The rules (MongoDB's ``IndexBoundsBuilder`` and the manual's equality-sort-range
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -46,6 +47,11 @@ REGISTRY_INDEXES: dict[str, Keys] = {
     **{name: keys for name, (keys, _) in f.REGISTRY_INDEXES.items()},
 }
 UNIQUE = {"_id_", *(name for name, (_, options) in f.INDEXES.items() if options.get("unique"))}
+PARTIAL: dict[str, dict[str, Any]] = {
+    name: options["partialFilterExpression"]
+    for name, (_, options) in f.INDEXES.items()
+    if "partialFilterExpression" in options
+}
 RANGES = {"$gt", "$gte", "$lt", "$lte"}
 STRENGTH: list[Kind] = ["whole", "type", "complement", "range", "point"]
 # The type every valid document holds in a field: a $type of it bounds the whole index.
@@ -125,9 +131,44 @@ def _follows(keys: Keys, start: int, sort: Keys) -> bool:
     return len(signs) == 1
 
 
+def implies(query: dict[str, Any], partial: dict[str, Any]) -> bool:
+    """Whether the query states a partial index's filter (MongoDB uses the index only then):
+    per filter field, the same equality or ``$type``, or points (``$eq``/``$in``) all inside
+    the filter's range."""
+    for field, condition in partial.items():
+        predicate = query.get(field)
+        if predicate is None:
+            return False
+        stated = predicate if isinstance(predicate, dict) else {"$eq": predicate}
+        points = [stated["$eq"]] if "$eq" in stated else list(stated.get("$in", []))
+        wanted = condition if isinstance(condition, dict) else {"$eq": condition}
+        for op, value in wanted.items():
+            if op == "$type":
+                held = stated.get("$type") == value
+            elif op == "$eq":
+                held = points == [value]
+            else:
+                held = bool(points) and all(_within(point, op, value) for point in points)
+            if not held:
+                return False
+    return True
+
+
+def _within(point: Any, op: str, bound: Any) -> bool:
+    if type(point) is not type(bound):
+        return False
+    held: bool = {"$gt": point > bound, "$gte": point >= bound, "$lt": point < bound, "$lte": point <= bound}[
+        op
+    ]
+    return held
+
+
 def serves(name: str, keys: Keys, query: dict[str, Any], sort: Keys) -> Served | None:
     """How the index serves the query's AND part (``$or`` aside: see ``bounded``): with
-    bounds, by a walk in sort order, or not at all."""
+    bounds, by a walk in sort order, or not at all. A partial index serves only a query
+    that states its filter."""
+    if name in PARTIAL and not implies(query, PARTIAL[name]):
+        return None
     fields = [field for field, _ in keys]
     found = bounds(query)
     points = {field for field, kind in found.items() if kind == "point" and not _is_in(query, field)}
@@ -334,6 +375,44 @@ def test_stats_read_each_part_through_an_index() -> None:
         {"claim": "bounds"},
         {"updated": "bounds"},
     ]
+
+
+def test_a_partial_index_serves_only_queries_that_state_its_filter() -> None:
+    """``pinned`` holds unfinished pinned tasks only: a query naming worker ids but not a
+    state among PENDING and RUNNING cannot use it (its answer would miss documents)."""
+    ids = f"{f.OPTIONS}.{f.WORKER_IDS}"
+    pinned = {ids: {"$type": "string", "$nin": ["w1"]}}
+    assert "pinned" not in serving(TASK_INDEXES, pinned, [])
+    assert "pinned" not in serving(TASK_INDEXES, pinned | {f.STATE: {"$in": ["PENDING", "SUCCESS"]}}, [])
+    assert "pinned" not in serving(TASK_INDEXES, {ids: "w1", f.STATE: "PENDING"}, [])
+    assert serving(TASK_INDEXES, pinned | {f.STATE: "RUNNING"}, []).get("pinned") == "bounds"
+
+
+FAILED_LIST = Listing(state=TaskState.FAIL, sort=f.FINISHED_AT, limit=20)
+
+
+@pytest.mark.parametrize("after", [None, (AT, "k")], ids=["first page", "next page"])
+def test_the_failed_list_walks_the_failed_index(after: tuple[datetime, str] | None) -> None:
+    """``taskrunner failed`` (FAIL tasks, newest failed first) walks the partial ``failed``
+    index in its order, and its part without a finish date is bounded by it clause by clause;
+    a listing of another state cannot use that index."""
+    dated, undated = _listing_queries(replace(FAILED_LIST, after=after))
+    assert dated is not None
+    sort = [(f.FINISHED_AT, -1), (f.KEY, -1)]
+    assert list(serving(TASK_INDEXES, dated, sort)) == ["failed"]
+    rest = {field: predicate for field, predicate in undated.items() if field != "$or"}
+    assert all(
+        serving(TASK_INDEXES, rest | clause, []).get("failed") == "bounds" for clause in undated["$or"]
+    )
+    canceled, _ = _listing_queries(replace(FAILED_LIST, state=TaskState.CANCELED))
+    assert canceled is not None and "failed" not in serving(TASK_INDEXES, canceled, sort)
+
+
+def test_stats_tasks_pinned_to_no_live_worker_read_the_pinned_index() -> None:
+    """``stats``' tasks pinned to no live worker can read the ``pinned`` partial index
+    (unfinished pinned tasks only) rather than every unfinished task through ``claim``."""
+    [match, *_] = x.pinned_away(["w1", "w2"], 5)
+    assert serving(TASK_INDEXES, match["$match"], []) == {"pinned": "bounds", "claim": "bounds"}
 
 
 def test_a_limited_names_sweep_is_bounded_by_its_name() -> None:

@@ -10,19 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import runs
 from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, SyncTask, Task, TaskRunner, TaskState
+from taskrunner import EntryState, SyncTask, Task, TaskError, TaskRunner, TaskState, WorkerInfo
 from taskrunner import fields as f
 from taskrunner.cli import app
-from taskrunner.errors import TaskNotFound, WaitTimeout
+from taskrunner.errors import NoLiveWorkerWarning, TaskNotFound, WaitTimeout
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 
@@ -314,6 +316,80 @@ async def test_init_retain_finished_installs_changes_and_removes_the_ttl_index(r
     assert await ttl() is None
 
 
+async def test_init_retain_failed_gives_fail_and_canceled_tasks_a_retention_of_their_own(
+    runner: TaskRunner,
+) -> None:
+    """`--retain-failed 30d` installs failed_ttl (FAIL and CANCELED) and narrows finished_ttl to
+    SUCCESS; `off` removes it and finished_ttl covers every finished task again."""
+
+    async def ttls() -> dict[str, tuple[Any, Any, Any]]:
+        indexes = await mongo(runner).collection.index_information()
+        return {
+            name: (spec["key"], spec.get("expireAfterSeconds"), spec.get("partialFilterExpression"))
+            for name, spec in indexes.items()
+            if name in (f.RETENTION_INDEX, f.FAILED_RETENTION_INDEX)
+        }
+
+    both = await ainvoke(runner, "init", "--retain-finished", "1d", "--retain-failed", "30d")
+    assert both.exit_code == 0, both.output
+    assert "failed_ttl deletes FAIL and CANCELED tasks 2592000 s after they finish" in both.stdout
+    assert await ttls() == {
+        "finished_ttl": ([("finished_at", 1)], 86400, {"state": "SUCCESS"}),
+        "failed_ttl": ([("finished_at", -1)], 2592000, {"state": {"$lt": "PENDING"}}),
+    }
+    assert (await ainvoke(runner, "init", "--retain-failed", "30d")).exit_code == 0  # unchanged
+    assert (await ttls())["finished_ttl"] == ([("finished_at", 1)], 86400, {"state": "SUCCESS"})
+    off = await ainvoke(runner, "init", "--retain-failed", "off")
+    assert off.exit_code == 0 and "failed retention off" in off.stdout
+    assert await ttls() == {"finished_ttl": ([("finished_at", 1)], 86400, None)}
+    await runner.init(retain_finished=0, retain_failed=timedelta(days=7))
+    assert await ttls() == {"failed_ttl": ([("finished_at", -1)], 604800, {"state": {"$lt": "PENDING"}})}
+
+
+async def failed_tasks(runner: TaskRunner) -> None:
+    """f1, f2, f3 failed 3, 2 and 1 hours ago; "hand" is FAIL without a finish date (written by
+    hand); one task succeeded, one was canceled, one waits."""
+    store, now = mongo(runner), await runner.store.server_time()
+    for hours, key in ((3, "f1"), (2, "f2"), (1, "f3")):
+        await runner.publish("job", key=key, allow_unknown=True)
+        claim = await store.claim("w1", key=key)
+        assert claim is not None
+        await runs.fail(store, key, claim.run_id, TaskError(type="Boom", message=f"{key} broke"), final=True)
+        await store.collection.update_one(
+            {"key": key}, {"$set": {"finished_at": now - timedelta(hours=hours)}}
+        )
+    await store.collection.insert_one({"key": "hand", "name": "job", "state": "FAIL"})
+    await runner.publish("job", key="ok", allow_unknown=True)
+    claim = await store.claim("w1", key="ok")
+    assert claim is not None
+    await runs.succeed(store, "ok", claim.run_id)
+    await runner.publish("job", key="stopped", allow_unknown=True)
+    await runner.cancel("stopped")
+    await runner.publish("other", key="waiting", allow_unknown=True)
+
+
+async def test_failed_lists_failed_tasks_newest_first_with_their_errors_page_by_page(
+    runner: TaskRunner,
+) -> None:
+    """`runner.failed` (the dead-letter view) returns FAIL tasks only, the latest failure first and
+    undated ones last, a page at a time; `taskrunner failed` shows each error and the next page."""
+    await failed_tasks(runner)
+    first = await runner.failed(limit=2)
+    assert [t.key for t in first.tasks] == ["f3", "f2"] and first.after is not None
+    assert first.tasks[0].last_error == TaskError(type="Boom", message="f3 broke")
+    second = await runner.failed(limit=2, after=first.after)
+    assert [t.key for t in second.tasks] == ["f1", "hand"]
+    assert [t.key for t in (await runner.failed(limit=2, after=second.after)).tasks] == []
+    assert [t.key for t in (await runner.failed(name="other")).tasks] == []
+    table = await ainvoke(runner, "failed", "--limit", "2")
+    assert table.exit_code == 0 and "Boom: f3 broke" in table.stdout and "f1" not in table.stdout
+    assert table.stderr.startswith("next page: taskrunner failed --limit 2 --after ")
+    after = table.stderr.split("--after ", 1)[1].strip().strip("'")
+    rest = await ainvoke(runner, "failed", "--limit", "2", "--after", after, "--json")
+    assert [json.loads(line)["key"] for line in rest.stdout.splitlines()] == ["f1", "hand"]
+    assert (await ainvoke(runner, "failed", "--after", "nonsense")).exit_code == 1
+
+
 # -- the worker registry --------------------------------------------------------------------
 
 
@@ -390,6 +466,85 @@ async def _running_on(runner: TaskRunner, worker_id: str, key: str) -> bool:
 
 async def _ids_are(runner: TaskRunner, ids: set[str]) -> bool:
     return await live_workers(runner) == ids
+
+
+# -- names and ids no live worker has -------------------------------------------------------
+
+
+async def register(runner: TaskRunner, worker_id: str, *names: str) -> None:
+    """A live registration (as a worker's beat writes it), without a worker process."""
+    now = datetime.now(UTC)
+    info = WorkerInfo(worker_id=worker_id, host="h", pid=1, started_at=now, names=list(names), concurrency=1)
+    await runner.store.beat(info, 3600)
+
+
+async def test_pause_and_limit_of_a_name_no_live_worker_serves_warn_and_go_ahead(runner: TaskRunner) -> None:
+    """A typo'd name is paused or limited all the same (ahead of a deploy that is right) with a
+    NoLiveWorkerWarning naming the nearest served name; a served name or force gives none."""
+    await register(runner, "w1", "sleep", "quick")
+    with pytest.warns(NoLiveWorkerWarning, match=r"task name 'sleeep' \(did you mean 'sleep'\?\)") as caught:
+        await runner.pause("sleeep")
+    assert caught[0].message.names == ["sleeep"]  # type: ignore[union-attr]
+    with pytest.warns(NoLiveWorkerWarning, match="task name 'nosuchname'"):
+        await runner.limit("nosuchname", rate_limit="1/s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await runner.pause("sleep")
+        await runner.pause("deploying_next", force=True)
+        await runner.pause("*")
+        await runner.limit("quick", max_running=2)
+        await runner.limit("deploying_next", max_running=1, force=True)
+    assert set(await runner.paused()) == {"sleeep", "sleep", "deploying_next", "*"}
+    assert (await runner.limits("nosuchname"))[1] is not None  # stored: the warning blocks nothing
+
+
+async def test_tasks_pinned_to_ids_no_live_worker_has_warn_and_show_in_stats(runner: TaskRunner) -> None:
+    """publish with worker_ids naming no live worker warns (the task is published and waits);
+    stats lists such unfinished tasks by worker_ids, and names no live worker serves."""
+    await register(runner, "w1", "quick")
+    with pytest.warns(NoLiveWorkerWarning, match=r"worker id 'ghost'") as caught:
+        await runner.publish("quick", key="lost", worker_ids=["ghost"])
+    assert caught[0].message.worker_ids == ["ghost"]  # type: ignore[union-attr]
+    with pytest.warns(NoLiveWorkerWarning, match=r"worker id 'w2'; done anyway"):
+        await runner.publish_many([{"name": "quick", "key": f"b{i}", "worker_ids": ["w2"]} for i in range(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await runner.publish("quick", key="mine", worker_ids=["w1"])
+        await runner.publish("quick", key="anyone")
+    await runner.publish("typo", key="unserved", allow_unknown=True)
+    stats = await runner.stats()
+    assert [(p.worker_ids, p.tasks, p.keys) for p in stats.pinned_away] == [
+        (["w2"], 2, ["b0", "b1"]),
+        (["ghost"], 1, ["lost"]),
+    ]
+    assert stats.unserved == {"typo": 1}
+    assert (await runner.get("lost")).state is TaskState.PENDING
+
+
+async def test_cli_warns_of_names_and_ids_no_live_worker_has_unless_forced(runner: TaskRunner) -> None:
+    """`pause`, `limit` and `publish --worker-id` print one warning line on stderr and exit 0;
+    `--force` prints none; `stats` lists the tasks pinned to no live worker."""
+    await register(runner, "w1", "sleep")
+    paused = await ainvoke(runner, "pause", "sleeep")
+    assert paused.exit_code == 0 and paused.stdout.strip() == "paused: sleeep"
+    assert paused.stderr.startswith(
+        "warning: no live worker serves task name 'sleeep' (did you mean 'sleep'?)"
+    )
+    forced = await ainvoke(runner, "pause", "later", "--force")
+    assert forced.exit_code == 0 and forced.stderr == ""
+    limited = await ainvoke(runner, "limit", "nosuchname", "--rate", "1/s")
+    assert (
+        limited.exit_code == 0 and "warning: no live worker serves task name 'nosuchname'" in limited.stderr
+    )
+    assert (await ainvoke(runner, "limit", "sleep", "--rate", "1/s")).stderr == ""
+    pinned = await ainvoke(runner, "publish", "sleep", "--key", "lost", "--worker-id", "ghost")
+    assert pinned.exit_code == 0 and pinned.stdout.strip() == "lost"
+    assert "warning: no live worker has worker id 'ghost'" in pinned.stderr
+    quiet = await ainvoke(runner, "publish", "sleep", "--key", "soon", "--worker-id", "w9", "--force")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    stats = await ainvoke(runner, "stats")
+    assert "pinned to no live worker: 1 task with worker_ids ghost (lost)" in stats.stdout
+    assert "pinned to no live worker: 1 task with worker_ids w9 (soon)" in stats.stdout
 
 
 # -- documents written by hand -------------------------------------------------------------

@@ -315,7 +315,13 @@ class Reporting(MemoryStore):
         self.streams_opened += 1
         return await super().watch_limits()
 
-    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
+    async def init(
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | None = None,
+        retain_failed: float | None = None,
+    ) -> None:
         self.inits += 1
 
 

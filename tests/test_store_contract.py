@@ -863,6 +863,32 @@ async def test_stats_count_by_name_and_state_and_the_last_hours_runs(store: Stor
     assert stats.oldest_pending_seconds is not None and 1790 < stats.oldest_pending_seconds < 1900
 
 
+async def test_pinned_away_groups_unfinished_tasks_pinned_to_no_live_worker(
+    store: Store, raw_insert: Raw
+) -> None:
+    """Unfinished tasks whose worker_ids name none of the live ids, grouped by worker_ids,
+    most first, with their first keys in order; finished ones, ones naming a live worker,
+    unpinned ones and documents without a string key are left out."""
+    await publish(
+        store,
+        *(task(k, options={"worker_ids": ["ghost"]}) for k in ("g3", "g1", "g2")),
+        task("o1", options={"worker_ids": ["other", "gone"]}),
+        task("live", options={"worker_ids": ["ghost", "w1"]}),
+        task("free"),
+        task("done", options={"worker_ids": ["ghost"]}),
+    )
+    await store.cancel("done")
+    await raw_insert({"key": "solo", "name": "job", "state": "PENDING", "options": {"worker_ids": "lone"}})
+    await raw_insert({"key": 5, "name": "job", "state": "PENDING", "options": {"worker_ids": ["ghost"]}})
+    found = await store.pinned_away(["w1", "w2"], examples=2)
+    assert [(p.worker_ids, p.tasks, p.keys) for p in found] == [
+        (["ghost"], 3, ["g1", "g2"]),
+        (["other", "gone"], 1, ["o1"]),  # ties by worker_ids; an array sorts at its least item
+        (["lone"], 1, ["solo"]),
+    ]
+    assert await store.pinned_away(["ghost", "other", "lone"]) == []
+
+
 async def test_memory_watch_reports_lost_history() -> None:
     """Resuming from a token older than the kept history raises ChangeHistoryLost."""
     store = MemoryStore(history=2)

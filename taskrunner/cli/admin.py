@@ -37,11 +37,21 @@ def init(
             help="Delete tasks this long after they finish (TTL index); off removes it.",
         ),
     ] = None,
+    retain_failed: Annotated[
+        float | None,
+        typer.Option(
+            parser=_retention,
+            metavar="DURATION|off",
+            help="Keep FAIL and CANCELED tasks this long instead (TTL index of their own); off: as finished ones.",
+        ),
+    ] = None,
     *,
     connection: Connection,
 ) -> None:
     """Create the task collection's indexes (idempotent); optionally the validator and retention."""
-    runner, checked = call(connection, lambda runner: _init(runner, validator, retain_finished))
+    runner, checked = call(
+        connection, lambda runner: _init(runner, validator, retain_finished, retain_failed)
+    )
     for line in checked.warnings:  # the start-up check's findings (docs/compatibility.md)
         render.stderr().print(f"warning: {line}", markup=False)
     what = f"indexes {', '.join(f.INDEXES)}" + (" and validator" if validator else "")
@@ -52,12 +62,25 @@ def init(
         print(
             f"retention: TTL index {f.RETENTION_INDEX} deletes tasks {int(retain_finished)} s after they finish"
         )
+    if retain_failed == 0:
+        print(
+            f"failed retention off: no TTL index {f.FAILED_RETENTION_INDEX}; FAIL and CANCELED tasks are kept"
+        )
+        print(f"  as finished ones are ({f.RETENTION_INDEX}, if installed, covers every finished task)")
+    elif retain_failed is not None:
+        print(
+            f"failed retention: TTL index {f.FAILED_RETENTION_INDEX} deletes FAIL and CANCELED tasks "
+            f"{int(retain_failed)} s after they finish; {f.RETENTION_INDEX}, if installed, covers SUCCESS only"
+        )
 
 
 async def _init(
-    runner: TaskRunner, validator: bool, retain_finished: float | None
+    runner: TaskRunner, validator: bool, retain_finished: float | None, retain_failed: float | None
 ) -> tuple[TaskRunner, ServerCheck]:
-    return runner, await runner.init(validator=validator, retain_finished=retain_finished)
+    checked = await runner.init(
+        validator=validator, retain_finished=retain_finished, retain_failed=retain_failed
+    )
+    return runner, checked
 
 
 @command(app, "stats")

@@ -24,17 +24,26 @@ def _pause_target(name: str | None, every: bool) -> str:
     return name
 
 
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Do not check that a live worker serves NAME (no warning): e.g. ahead of a deploy."
+    ),
+]
+
+
 @command(app, "pause")
 @connected()
 def pause_command(
     name: Name = None,
     every: Annotated[bool, typer.Option("--all", help="Pause every task name.")] = False,
+    force: Force = False,
     *,
     connection: Connection,
 ) -> None:
     """Stop workers claiming tasks of NAME (or of every name) within a second; running tasks finish, publishing goes on."""
     target = _pause_target(name, every)
-    call(connection, lambda runner: runner.pause(target))
+    call(connection, lambda runner: runner.pause(target, force=force))
     print("paused: every task name" if target == ALL else f"paused: {target}")
 
 
@@ -75,6 +84,7 @@ def limit_command(
     clear: Annotated[
         bool, typer.Option(help="Drop operators' limits: the code's declaration applies.")
     ] = False,
+    force: Force = False,
     *,
     connection: Connection,
 ) -> None:
@@ -82,7 +92,7 @@ def limit_command(
 
     async def limit(runner: TaskRunner) -> tuple[Limit, LimitState | None]:
         if rate is not None or max_running is not None or clear:
-            await runner.limit(name, rate_limit=rate, max_running=max_running, clear=clear)
+            await runner.limit(name, rate_limit=rate, max_running=max_running, clear=clear, force=force)
         return await runner.limits(name)
 
     in_force, state = call(connection, limit)

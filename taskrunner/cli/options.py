@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -17,7 +18,7 @@ import typer
 
 from taskrunner import fields as f
 from taskrunner.cli.render import stderr
-from taskrunner.errors import TaskRunnerError
+from taskrunner.errors import NoLiveWorkerWarning, TaskRunnerError
 from taskrunner.models import parse_duration
 from taskrunner.redact import redact
 from taskrunner.runner import DEFAULT_URI, TaskRunner
@@ -74,7 +75,8 @@ class Connection:
 def call(
     connection: Connection, action: Callable[[TaskRunner], Awaitable[T]], app_ref: str | None = None
 ) -> T:
-    """Run one public TaskRunner coroutine on a runner for ``connection``, then close it."""
+    """Run one public TaskRunner coroutine on a runner for ``connection``, then close it.
+    A ``NoLiveWorkerWarning`` it gives is printed as one ``warning:`` line on stderr."""
     runner = connection.runner(app_ref)
 
     async def once() -> T:
@@ -83,7 +85,27 @@ def call(
         finally:
             await runner.close()
 
-    return run(once())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoLiveWorkerWarning)
+        try:
+            return run(once())
+        finally:
+            _show(caught)
+
+
+def _show(caught: list[warnings.WarningMessage]) -> None:
+    for warning in caught:
+        if issubclass(warning.category, NoLiveWorkerWarning):
+            stderr().print(f"warning: {warning.message}", markup=False)
+        else:  # any other warning as Python would have shown it
+            warnings.showwarning(
+                warning.message,
+                warning.category,
+                warning.filename,
+                warning.lineno,
+                warning.file,
+                warning.line,
+            )
 
 
 MongoUri = Annotated[

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from taskrunner.limits import ALL
-from taskrunner.models import Task, TaskState, TaskStats, WorkerInfo
+from taskrunner.models import EntryState, Task, TaskState, TaskStats, WorkerInfo
 from taskrunner.schedules import ScheduleView
 
 PIPED_WIDTH = 10_000  # no line limit: rich needs a number
@@ -204,6 +204,24 @@ def tasks_table(tasks: list[Task]) -> Table:
     return table(plural(len(tasks), "task"), columns, rows, whole=("state", "priority", "age"))
 
 
+def failed_table(tasks: list[Task]) -> Table:
+    """The dead-letter view: when each failed, its failed runs, the last run's worker and the error."""
+    now = datetime.now(UTC)
+    rows = [
+        (
+            task.key,
+            task.name,
+            f"{ago(task.finished_at, now)} ago" if task.finished_at else "-",
+            task.failures,
+            next((w.worker_id for w in reversed(task.workers) if w.state is EntryState.FAIL), "-"),
+            f"{task.last_error.type}: {task.last_error.message}" if task.last_error else "-",
+        )
+        for task in tasks
+    ]
+    columns = ("key", "name", "failed", "failures", "worker", "error")
+    return table(plural(len(tasks), "failed task"), columns, rows, whole=("failed", "failures"))
+
+
 def counts_table(numbers: TaskStats) -> Table:
     rows = [
         (name, *(counts.get(s.value, 0) for s in TaskState))
@@ -229,6 +247,12 @@ def stats_lines(numbers: TaskStats) -> list[str]:
     if numbers.unserved:
         names = ", ".join(f"{name} ({count} pending)" for name, count in numbers.unserved.items())
         lines.append(f"no live worker serves: {names}")
+    for pinned in numbers.pinned_away:
+        more = ", ..." if pinned.tasks > len(pinned.keys) else ""
+        lines.append(
+            f"pinned to no live worker: {plural(pinned.tasks, 'task')} with worker_ids "
+            f"{', '.join(pinned.worker_ids)} ({', '.join(pinned.keys)}{more})"
+        )
     return lines
 
 

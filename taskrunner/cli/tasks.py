@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import json
+import shlex
+import warnings
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -12,7 +14,7 @@ import typer
 from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import AppRef, Connection, call, connected, fail, seconds
-from taskrunner.errors import WaitTimeout
+from taskrunner.errors import NoLiveWorkerWarning, WaitTimeout
 from taskrunner.models import Task, TaskState
 from taskrunner.runner import TaskRunner
 
@@ -63,6 +65,12 @@ def publish(
     allow_unknown: Annotated[
         bool, typer.Option(help="With --app: publish a name the app has no handler for.")
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Do not warn when no live worker has a --worker-id (it is about to start)."
+        ),
+    ] = False,
     app_ref: AppRef = None,
     *,
     connection: Connection,
@@ -79,22 +87,25 @@ def publish(
         "timeout": run_timeout,
     }
     given = {k: v for k, v in options.items() if v is not None}
-    task = call(
-        connection,
-        lambda runner: runner.publish(
-            name,
-            None if params is None else _parse_params(params),
-            key=key,
-            priority=priority,
-            delay=delay,
-            run_at=run_at,
-            update_pending=update_pending,
-            republish_finished=republish_finished,
-            allow_unknown=allow_unknown,
-            **given,
-        ),
-        app_ref,
-    )
+
+    async def publish_one(runner: TaskRunner) -> Task:
+        with warnings.catch_warnings():
+            if force:  # the operator means it: a worker with that id is about to start
+                warnings.simplefilter("ignore", NoLiveWorkerWarning)
+            return await runner.publish(
+                name,
+                None if params is None else _parse_params(params),
+                key=key,
+                priority=priority,
+                delay=delay,
+                run_at=run_at,
+                update_pending=update_pending,
+                republish_finished=republish_finished,
+                allow_unknown=allow_unknown,
+                **given,
+            )
+
+    task = call(connection, publish_one, app_ref)
     if not task.created:
         render.stderr().print(
             f"task {task.key!r} already exists (state {task.state}); not created", markup=False
@@ -135,6 +146,32 @@ def list_command(
             render.print_json(task.model_dump_json())
     else:
         render.print_table(render.stdout(), render.tasks_table(tasks)) if tasks else print("no tasks match")
+
+
+@command(app, "failed")
+@connected()
+def failed_command(
+    name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Tasks per page.")] = 20,
+    after: Annotated[
+        str | None, typer.Option(metavar="POSITION", help="Start after this position (printed under a page).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One task per line as JSON.")] = False,
+    *,
+    connection: Connection,
+) -> None:
+    """Failed tasks (the dead letters), the latest failure first, with each one's error."""
+    page = call(connection, lambda runner: runner.failed(name=name, limit=limit, after=after))
+    if as_json:
+        for task in page.tasks:
+            render.print_json(task.model_dump_json())
+    elif page.tasks:
+        render.print_table(render.stdout(), render.failed_table(page.tasks))
+    else:
+        print("no failed tasks" if after is None else "no more failed tasks")
+    if page.after is not None:
+        again = ["taskrunner failed", *([f"--name {shlex.quote(name)}"] if name else []), f"--limit {limit}"]
+        render.stderr().print(f"next page: {' '.join(again)} --after {shlex.quote(page.after)}", markup=False)
 
 
 @command(app)

@@ -21,7 +21,16 @@ from starlette.staticfiles import StaticFiles
 from taskrunner.dashboard import pages
 from taskrunner.dashboard.actions import ACTIONS
 from taskrunner.dashboard.hub import Hub, fresh_message
-from taskrunner.dashboard.security import csrf_token, log_in, may_act, new_token, remember_csrf, same
+from taskrunner.dashboard.security import (
+    CSRF_COOKIE,
+    CSRF_FIELD,
+    csrf_token,
+    log_in,
+    may_act,
+    new_token,
+    remember_csrf,
+    same,
+)
 from taskrunner.dashboard.snapshots import Read, Snapshots
 from taskrunner.errors import TaskNotFound, TaskRunnerError
 from taskrunner.models import TaskState
@@ -32,6 +41,7 @@ HERE = Path(__file__).parent
 KEEPALIVE_SECONDS = 15.0
 RENDER_WAIT = 0.2  # a page's first read: wait this long, then render it as being read
 WARM_SECONDS = 60.0  # at start, wait this long at most for the first reads before serving
+URL_TOKEN_REFUSED = "a token in a URL is never accepted (URLs land in logs and history): enter it here"
 
 
 def environment() -> Environment:
@@ -110,8 +120,22 @@ class Dashboard:
         return self.render(request, template, page=page, **data)
 
     async def login(self, request: Request) -> Response:
-        if not self.allow_actions or not same(request.query_params.get("token"), self.token):
-            return self.render(request, "error.html", 403, message="wrong or missing token")
+        """The login form (GET). A token in the URL is never taken: a URL lands in server
+        logs, proxies' logs and the browser's history."""
+        if not self.allow_actions:
+            return self.render(request, "error.html", 403, message="actions are off (--allow-actions)")
+        note = URL_TOKEN_REFUSED if "token" in request.query_params else None
+        return self.render(request, "login.html", 400 if note else 200, message=note)
+
+    async def submit_login(self, request: Request) -> Response:
+        """The login form posted: the token and the CSRF token in the body; a cookie back."""
+        form = await read_form(request)
+        if not self.allow_actions:
+            return self.render(request, "error.html", 403, message="actions are off (--allow-actions)")
+        if not same(form.get(CSRF_FIELD), request.cookies.get(CSRF_COOKIE)):
+            return self.render(request, "login.html", 403, message="the form expired: log in again")
+        if not same(form.get("token"), self.token):
+            return self.render(request, "login.html", 403, message="wrong token")
         response = RedirectResponse("/", status_code=303)
         log_in(response, self.token or "")
         return response
@@ -198,6 +222,7 @@ def create_app(runner: TaskRunner, *, allow_actions: bool = False, token: str | 
         page("/workers", dashboard.workers),
         page("/schedules", dashboard.schedules),
         page("/login", dashboard.login),
+        page("/login", dashboard.submit_login, ["POST"]),
         page("/actions/{action}", dashboard.act, ["POST"]),
         Route("/events", dashboard.events),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),

@@ -9,18 +9,20 @@ from typing import Any
 from urllib.parse import urlencode
 
 from taskrunner import fields as f
+from taskrunner.dashboard.snapshots import EXPIRES_IN
 from taskrunner.errors import InvalidTask
 from taskrunner.gates import GateDoc
 from taskrunner.limits import LimitState
 from taskrunner.models import EntryState, Task, TaskState
 from taskrunner.runner import TaskRunner
-from taskrunner.store.base import Listing, Position
+from taskrunner.store.base import Listing, Position, format_position, parse_position
 
 PAGE_SIZE = 50
 RECENT = 200  # tasks sampled (newest updated first, by index) for the throughput chart
 CHART_MINUTES = 10
 FINISHED_RUNS = (EntryState.SUCCESS, EntryState.FAIL)
-SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT}
+SORTS = {"created": f.CREATED_AT, "updated": f.UPDATED_AT, "failed": f.FINISHED_AT}
+FAILED_ONLY = "failed"  # the sort the failed index serves: FAIL tasks only
 
 
 @dataclass
@@ -94,14 +96,16 @@ class TaskFilter:
         if state is not None and state not in TaskState.__members__:
             raise InvalidTask("state", f"unknown state {state!r}")
         if sort not in SORTS:
-            raise InvalidTask("sort", "sort is created or updated")
+            raise InvalidTask("sort", "sort is created, updated or failed")
+        if sort == FAILED_ONLY and state != TaskState.FAIL.value:
+            raise InvalidTask("sort", "sort=failed lists failed tasks: add state=FAIL")
         return cls(
             TaskState(state) if state else None,
             query.get("name") or None,
             query.get("prefix") or None,
             query.get("worker") or None,
             sort,
-            parse_cursor(query.get("after")),
+            parse_position(query.get("after")),
         )
 
     def listing(self) -> Listing:
@@ -111,7 +115,7 @@ class TaskFilter:
 
     def page(self) -> str:
         """The key of this listing's snapshot (``tasks?state=FAIL&sort=created``)."""
-        after = format_cursor(*self.after) if self.after else None
+        after = format_position(self.after) if self.after else None
         return "tasks?" + urlencode(self.query(after=after))
 
     def query(self, **changes: str | None) -> dict[str, str]:
@@ -121,27 +125,9 @@ class TaskFilter:
         return {k: v for k, v in (params | changes).items() if v}
 
 
-def format_cursor(at: datetime | None, key: str) -> str:
-    """The ``after`` text of a position: what ``parse_cursor`` reads back (no time: the
-    listing's part whose sort value is not a date)."""
-    return f"{at.isoformat() if at is not None else ''}|{key}"
-
-
-def parse_cursor(text: str | None) -> Position | None:
-    if not text:
-        return None
-    at, bar, key = text.partition("|")
-    if not bar:
-        raise InvalidTask("after", "not a position in the list")
-    try:
-        return (datetime.fromisoformat(at) if at else None), key
-    except ValueError:
-        raise InvalidTask("after", "not a position in the list") from None
-
-
 async def task_list(runner: TaskRunner, chosen: TaskFilter) -> dict[str, Any]:
     page = await runner.store.browse(chosen.listing())
-    after = format_cursor(*page.after) if page.after else None
+    after = format_position(page.after) if page.after else None
     return {"tasks": page.tasks, "filter": chosen, "next": chosen.query(after=after) if after else None}
 
 
@@ -180,11 +166,35 @@ async def rate_use(runner: TaskRunner, names: list[str]) -> dict[str, RateUse]:
     return use
 
 
+@dataclass(frozen=True)
+class Throttle:
+    """A live ``RateLimited`` hold: on the whole name (``gate`` None) or on one ``limit_by`` gate."""
+
+    until: datetime
+    gate: str | None = None
+
+
+def live_throttles(limits: dict[str, LimitState], now: datetime) -> dict[str, list[Throttle]]:
+    """Each name's throttles that still hold at ``now`` (server time), soonest end first: a
+    throttle that ended holds nothing back, so the page does not show it."""
+    live: dict[str, list[Throttle]] = {}
+    for name, state in limits.items():
+        found = [Throttle(state.throttled_until)] if state.throttled_until is not None else []
+        found += [Throttle(t.until, t.gate) for t in state.throttled_gates]
+        holding = sorted((t for t in found if t.until > now), key=lambda t: t.until)
+        if holding:
+            live[name] = holding
+    return live
+
+
 async def schedules(runner: TaskRunner) -> dict[str, Any]:
     stats = await runner.stats()
     stored = await runner.store.limits()
+    now = await runner.store.server_time()
     limits = {name: state for name, state in stored.items() if isinstance(state, LimitState)}
     running = {name: counts.get(TaskState.RUNNING.value, 0) for name, counts in stats.counts.items()}
+    throttles = live_throttles(limits, now)
+    ends = [held[0].until for held in throttles.values()]
     return {
         "schedules": await runner.schedule_overview(),
         "limits": limits,
@@ -192,4 +202,7 @@ async def schedules(runner: TaskRunner) -> dict[str, Any]:
         "unreadable": {name: problem for name, problem in stored.items() if isinstance(problem, str)},
         "running": running,
         "paused": stats.paused,
+        "throttles": throttles,
+        # Read again when the first throttle ends, so open tabs drop it then.
+        EXPIRES_IN: (min(ends) - now).total_seconds() if ends else None,
     }

@@ -1,9 +1,10 @@
-"""Who may act: the action token (a cookie set by ``/login``) plus a double-submit CSRF token.
+"""Who may act: the action token (a cookie set by ``POST /login``) plus a double-submit CSRF token.
 
 Reading needs nothing (bind to 127.0.0.1, the default). An action needs the dashboard to be
 started with ``allow_actions``, the token printed at start (or ``TASKRUNNER_DASHBOARD_TOKEN``)
 and a CSRF token equal to the ``csrf`` cookie, so another site's form cannot act for a
-browser that holds the token cookie.
+browser that holds the token cookie. The token travels in a form body and then in an
+HttpOnly, SameSite=Strict cookie, never in a URL (URLs land in access logs and history).
 """
 
 from __future__ import annotations

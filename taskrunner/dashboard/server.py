@@ -35,14 +35,16 @@ async def serve_dashboard(
 ) -> None:
     """Serve the dashboard for ``runner`` on ``host:port`` until cancelled; print its URL
     (and the action token when ``allow_actions``: made up when not given)."""
-    if allow_actions and not token:
+    made_up = allow_actions and not token
+    if made_up:
         token = new_token()
     app = create_app(runner, allow_actions=allow_actions, token=token)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     warning = exposure_warning(host)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    await _Server(config, lambda bound: _announce(host, bound, token if allow_actions else None)).serve()
+    shown = token if made_up else None
+    await _Server(config, lambda bound: _announce(host, bound, allow_actions, shown)).serve()
 
 
 class _Server(uvicorn.Server):
@@ -64,8 +66,12 @@ class _Server(uvicorn.Server):
         return self.config.port
 
 
-def _announce(host: str, port: int, token: str | None) -> None:
+def _announce(host: str, port: int, allow_actions: bool, made_up: str | None) -> None:
+    """The URL, and with actions where to log in: the token goes in the login form, never
+    in a URL. A token given by the environment is not printed (its owner has it)."""
     shown = f"[{host}]" if ":" in host else host
     print(f"dashboard: http://{shown}:{port}/", flush=True)
-    if token is not None:
-        print(f"actions allowed; log in at http://{shown}:{port}/login?token={token}", flush=True)
+    if allow_actions:
+        print(f"actions allowed; log in at http://{shown}:{port}/login", flush=True)
+        given = "the one given (TASKRUNNER_DASHBOARD_TOKEN)"
+        print(f"action token: {made_up or given}", flush=True)

@@ -13,7 +13,9 @@ page type and never more than half its time. Without changes a page is re-read o
 ``max_age`` old, or ``AGE_FACTOR`` times its read's duration (the registry and the limits
 change without a task changing; a slow read is not repeated for them more than a tenth of
 the time). When the re-read lands, ``on_fresh(page)`` tells the open tabs (a ``fresh``
-server-sent event), which fetch the page again.
+server-sent event), which fetch the page again. A read whose figures go out of date at a
+known time without any write (a throttle ending) says when in ``EXPIRES_IN``; the page is
+read again then, and the tabs told.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ MAX_AGE = 5.0
 AGE_FACTOR = 10.0
 STALE_LIMIT = 60.0  # older than this (nobody kept it fresh), a snapshot is read again first
 SIZE = 64  # snapshots kept (one per page and task-list filter), least recently used dropped
+EXPIRES_IN = "expires_in"
+"""A read's key: seconds after the read began past which its figures no longer hold (None: no such time)."""
+EXPIRY_MARGIN = 0.05  # read a little after the end: the server must see it over
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
 log = structlog.get_logger("taskrunner.dashboard")
@@ -65,6 +70,7 @@ class Snapshots:
         self.fresh_for, self.max_age = fresh_for, max_age
         self.recent: OrderedDict[str, Snapshot] = OrderedDict()
         self.reading: dict[str, asyncio.Task[Snapshot]] = {}
+        self.expiring: dict[str, asyncio.TimerHandle] = {}
 
     async def get(self, page: str, read: Read, *, within: float | None = None) -> dict[str, Any] | None:
         """The page's data with ``as_of`` (when it was read) and ``refreshing``; or None when
@@ -92,6 +98,8 @@ class Snapshots:
         self.recent.clear()
 
     async def close(self) -> None:
+        for timer in self.expiring.values():
+            timer.cancel()
         for task in list(self.reading.values()):
             task.cancel()
             with suppress(BaseException):
@@ -99,7 +107,22 @@ class Snapshots:
 
     def _stale(self, snapshot: Snapshot) -> bool:
         age = time.monotonic() - snapshot.started
+        expires = snapshot.data.get(EXPIRES_IN)
+        if isinstance(expires, int | float) and age >= expires:
+            return True
         return snapshot.seen != self.changes() or age >= max(self.max_age, AGE_FACTOR * snapshot.took)
+
+    def _expire(self, page: str, read: Read, snapshot: Snapshot) -> None:
+        """Read the page again once its figures go out of date (``EXPIRES_IN``)."""
+        old = self.expiring.pop(page, None)
+        if old is not None:
+            old.cancel()
+        expires = snapshot.data.get(EXPIRES_IN)
+        if isinstance(expires, int | float):
+            delay = max(0.0, snapshot.started + expires + EXPIRY_MARGIN - time.monotonic())
+            self.expiring[page] = asyncio.get_running_loop().call_later(
+                delay, lambda: self._start(page, read, 0.0)
+            )
 
     def _refresh(self, page: str, read: Read, snapshot: Snapshot) -> None:
         gap = max(self.fresh_for, snapshot.took)
@@ -121,6 +144,7 @@ class Snapshots:
             data = await read()
             snapshot = Snapshot(data, seen, started, time.monotonic() - started, as_of)
             self.recent[page] = snapshot
+            self._expire(page, read, snapshot)
             self.recent.move_to_end(page)
             while len(self.recent) > SIZE:
                 self.recent.popitem(last=False)

@@ -16,9 +16,18 @@ from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from taskrunner import fields as f
-from taskrunner.errors import MalformedTask, StoreError
+from taskrunner.errors import InvalidTask, MalformedTask, StoreError
 from taskrunner.limits import LimitState
-from taskrunner.models import NewTask, Task, TaskError, TaskState, TaskStats, WorkerEntry, WorkerInfo
+from taskrunner.models import (
+    NewTask,
+    PinnedAway,
+    Task,
+    TaskError,
+    TaskState,
+    TaskStats,
+    WorkerEntry,
+    WorkerInfo,
+)
 from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
 
@@ -169,10 +178,30 @@ Position = tuple[datetime | None, str]
 of the listing whose sort value is not a date."""
 
 
+def format_position(position: Position) -> str:
+    """A position as the text a next page starts ``after`` (``parse_position`` reads it back;
+    no time: the listing's part whose sort value is not a date)."""
+    at, key = position
+    return f"{at.isoformat() if at is not None else ''}|{key}"
+
+
+def parse_position(text: str | None) -> Position | None:
+    if not text:
+        return None
+    at, bar, key = text.partition("|")
+    if not bar:
+        raise InvalidTask("after", "not a position in the list")
+    try:
+        return (datetime.fromisoformat(at) if at else None), key
+    except ValueError:
+        raise InvalidTask("after", "not a position in the list") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Listing:
-    """One page of an operator's task listing (the dashboard's): newest first by ``sort``
-    (``created_at`` or ``updated_at``) then key, continuing after ``after`` (the previous
+    """One page of an operator's task listing (the dashboard's, ``taskrunner failed``):
+    newest first by ``sort`` (``created_at``, ``updated_at``, or ``finished_at`` of FAIL
+    tasks) then key, continuing after ``after`` (the previous
     page's ``Listed.after``), so no page ever skips over the ones before it. Documents whose
     sort value is not a date (written by hand: missing, null, a string, ...) come last, by
     key descending: MongoDB compares values of different types by type, so a range on a
@@ -220,10 +249,17 @@ class Store(Protocol):
     """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
     implement the same rules, checked by one contract test suite."""
 
-    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
-        """Create indexes (idempotent); optionally install the $jsonSchema validator and a
-        TTL index deleting finished tasks ``retain_finished`` seconds after they finish
-        (0 removes it)."""
+    async def init(
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | None = None,
+        retain_failed: float | None = None,
+    ) -> None:
+        """Create indexes (idempotent); optionally install the $jsonSchema validator and TTL
+        indexes deleting finished tasks ``retain_finished`` seconds after they finish and,
+        apart, FAIL and CANCELED ones ``retain_failed`` seconds after (0 removes one; None
+        keeps what is installed)."""
 
     async def publish(
         self,
@@ -358,6 +394,11 @@ class Store(Protocol):
         """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""
 
     async def stats(self) -> TaskStats: ...
+
+    async def pinned_away(self, live: Sequence[str], *, examples: int = 5) -> list[PinnedAway]:
+        """Unfinished tasks (string key) whose ``options.worker_ids`` hold a string and none
+        of ``live``, grouped by their ``worker_ids``, most tasks first: how many, and the
+        first ``examples`` keys in key order (the ``pinned`` index)."""
 
     async def server_time(self) -> datetime: ...
 

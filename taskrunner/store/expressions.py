@@ -827,6 +827,26 @@ def stats_pipeline(collection: str, hour_ago: datetime) -> list[Expr]:
     ]
 
 
+def pinned_away(live: Sequence[str], examples: int) -> list[Expr]:
+    """``Store.pinned_away`` as one aggregate; its ``$match`` implies the ``pinned`` index's
+    partial filter (a worker_ids string, a state between PENDING and RUNNING), so only
+    unfinished pinned tasks are read."""
+    worker_ids = f"{f.OPTIONS}.{f.WORKER_IDS}"
+    return [
+        {
+            "$match": {
+                f.STATE: {"$in": list(ACTIVE)},
+                worker_ids: {"$type": "string", "$nin": list(live)},
+                f.KEY: {"$type": "string"},
+            }
+        },
+        {"$sort": {f.KEY: 1}},
+        {"$group": {"_id": f.ref(worker_ids), "tasks": {"$sum": 1}, "keys": {"$push": f.ref(f.KEY)}}},
+        {"$project": {"tasks": 1, "keys": {"$slice": ["$keys", examples]}}},
+        {"$sort": {"tasks": -1, "_id": 1}},
+    ]
+
+
 def throttle_update(seconds: float, now: Expr = NOW) -> list[Expr]:
     """``throttled_until`` at least server now plus ``seconds`` (``RateLimited``)."""
     until = {"$add": [now, seconds * 1000]}

@@ -34,7 +34,17 @@ from taskrunner.errors import (
     TaskNotFound,
 )
 from taskrunner.limits import LimitState, readable_limit
-from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo, to_utc
+from taskrunner.models import (
+    EntryState,
+    NewTask,
+    PinnedAway,
+    Task,
+    TaskError,
+    TaskState,
+    TaskStats,
+    WorkerInfo,
+    to_utc,
+)
 from taskrunner.preflight import ServerInfo
 from taskrunner.schedules import Schedule, ScheduleState
 from taskrunner.sizes import MAX_DOCUMENT_BYTES
@@ -174,7 +184,13 @@ class MemoryStore:
         return len(streams)
 
     # -- Store --------------------------------------------------------------------
-    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
+    async def init(
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | None = None,
+        retain_failed: float | None = None,
+    ) -> None:
         return None
 
     async def publish(
@@ -485,6 +501,26 @@ class MemoryStore:
             finished_last_hour=sum(s in (EntryState.SUCCESS.value, EntryState.FAIL.value) for s in recent),
             failed_last_hour=recent.count(EntryState.FAIL.value),
         )
+
+    async def pinned_away(self, live: Sequence[str], *, examples: int = 5) -> list[PinnedAway]:
+        groups: dict[str, tuple[Any, list[str]]] = {}
+        for doc in self._docs.values():
+            options = doc.get(f.OPTIONS)
+            ids = options.get(f.WORKER_IDS) if isinstance(options, dict) else None
+            key = doc.get(f.KEY)
+            if (
+                isinstance(key, str)
+                and rules.is_one_of(doc.get(f.STATE), rules.ACTIVE)
+                and rules.has_string(ids)
+                and not rules.is_one_of(ids, live)
+            ):
+                groups.setdefault(repr(ids), (ids, []))[1].append(key)
+        found = [
+            PinnedAway(worker_ids=ids, tasks=len(keys), keys=sorted(keys)[:examples])
+            for ids, keys in groups.values()
+        ]
+        # MongoDB's $sort places an array at its least item (ascending).
+        return sorted(found, key=lambda p: (-p.tasks, min(p.worker_ids)))
 
     async def server_time(self) -> datetime:
         return self._clock()

@@ -49,7 +49,16 @@ from taskrunner.errors import (
     WriteRejected,
 )
 from taskrunner.limits import LimitState, readable_limit
-from taskrunner.models import EntryState, NewTask, Task, TaskError, TaskState, TaskStats, WorkerInfo
+from taskrunner.models import (
+    EntryState,
+    NewTask,
+    PinnedAway,
+    Task,
+    TaskError,
+    TaskState,
+    TaskStats,
+    WorkerInfo,
+)
 from taskrunner.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
 from taskrunner.redact import redact
 from taskrunner.schedules import Schedule, ScheduleState
@@ -242,7 +251,13 @@ class MongoStore:
             raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
         return cls(client, database, collection, owns_client=True)
 
-    async def init(self, *, validator: bool = False, retain_finished: float | None = None) -> None:
+    async def init(
+        self,
+        *,
+        validator: bool = False,
+        retain_finished: float | None = None,
+        retain_failed: float | None = None,
+    ) -> None:
         with mapped_errors():
             db = self.collection.database
             found = [c async for c in await db.list_collections(filter={"name": self.collection.name})]
@@ -257,19 +272,27 @@ class MongoStore:
                 await self.collection.create_index(keys, name=name, **options)
             for name, (keys, options) in f.REGISTRY_INDEXES.items():
                 await self.registry.create_index(keys, name=name, **options)
-            if retain_finished is not None:
-                await self._retention(retain_finished)
+            if retain_finished is not None or retain_failed is not None:
+                await self._retention(retain_finished, retain_failed)
 
-    async def _retention(self, seconds: float) -> None:
-        """Install, change (drop and recreate) or, for 0, remove the finished-task TTL index."""
+    async def _retention(self, finished: float | None, failed: float | None) -> None:
+        """Install, change (drop and recreate) or, for 0, remove the TTL indexes; None keeps
+        what is installed. With a failed retention, finished_ttl keeps to SUCCESS."""
         indexes = await self.collection.index_information()
-        current = indexes.get(f.RETENTION_INDEX, {}).get("expireAfterSeconds")
-        if current is not None and (seconds == 0 or current != int(seconds)):
-            await self.collection.drop_index(f.RETENTION_INDEX)
-        if seconds and current != int(seconds):
-            await self.collection.create_index(
-                [(f.FINISHED_AT, 1)], name=f.RETENTION_INDEX, expireAfterSeconds=int(seconds)
-            )
+        finished = _ttl(indexes, f.RETENTION_INDEX) if finished is None else int(finished)
+        failed = _ttl(indexes, f.FAILED_RETENTION_INDEX) if failed is None else int(failed)
+        wanted: dict[str, tuple[list[tuple[str, int]], Doc] | None] = {
+            f.RETENTION_INDEX: _ttl_spec(1, finished, f.SUCCEEDED if failed else None),
+            f.FAILED_RETENTION_INDEX: _ttl_spec(-1, failed, f.UNSUCCESSFUL),
+        }
+        for name, spec in wanted.items():
+            have = indexes.get(name)
+            if have is not None and spec is not None and _same_ttl(have, spec[1]):
+                continue
+            if have is not None:
+                await self.collection.drop_index(name)
+            if spec is not None:
+                await self.collection.create_index(spec[0], name=name, **spec[1])
 
     async def _create(self, schema: Doc | None) -> None:
         extra: dict[str, Any] = {} if schema is None else {"validator": schema, "validationLevel": "moderate"}
@@ -722,6 +745,11 @@ class MongoStore:
             failed_last_hour=recent.get(EntryState.FAIL.value, 0),
         )
 
+    async def pinned_away(self, live: Sequence[str], *, examples: int = 5) -> list[PinnedAway]:
+        with mapped_errors():
+            rows = await (await self.collection.aggregate(x.pinned_away(live, examples))).to_list()
+        return [PinnedAway(worker_ids=row["_id"], tasks=row["tasks"], keys=row["keys"]) for row in rows]
+
     async def server_time(self) -> datetime:
         with mapped_errors():
             hello = await self.client.admin.command("hello")
@@ -977,6 +1005,30 @@ def _listing_queries(listing: Listing) -> tuple[Doc | None, Doc]:
     dated = {**query, listing.sort: {"$type": "date", "$lte": at}}
     dated["$or"] = [{listing.sort: {"$lt": at}}, {f.KEY: {"$lt": key}}]
     return dated, undated
+
+
+def _ttl(indexes: Mapping[str, Any], name: str) -> int:
+    """The installed TTL index's period in seconds, 0 when there is none."""
+    return int(indexes.get(name, {}).get("expireAfterSeconds", 0))
+
+
+def _ttl_spec(
+    direction: int, seconds: float, partial: Doc | None
+) -> tuple[list[tuple[str, int]], Doc] | None:
+    """A TTL index on finished_at (None for 0: no index), partial when ``partial`` is given."""
+    if not seconds:
+        return None
+    options: Doc = {"expireAfterSeconds": int(seconds)}
+    if partial is not None:
+        options["partialFilterExpression"] = partial
+    return [(f.FINISHED_AT, direction)], options
+
+
+def _same_ttl(installed: Mapping[str, Any], options: Doc) -> bool:
+    """Whether an installed index (``index_information``) has these TTL options."""
+    return installed.get("expireAfterSeconds") == options["expireAfterSeconds"] and dict(
+        installed.get("partialFilterExpression") or {}
+    ) == dict(options.get("partialFilterExpression") or {})
 
 
 def listed(docs: list[Doc], listing: Listing) -> Listed:

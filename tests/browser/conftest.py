@@ -56,8 +56,15 @@ class Dashboard:
     token: str
     process: LoggedProcess
 
-    def login_url(self, token: str | None = None) -> str:
-        return f"{self.url}/login?token={self.token if token is None else token}"
+    async def log_in(self, page: Page, token: str | None = None) -> None:
+        """Open ``/login`` and post the token through its form, as an operator does (the
+        token never goes in a URL). A read-only dashboard shows no form: nothing is posted."""
+        await page.goto(f"{self.url}/login")
+        form = page.locator('form[action="/login"]')
+        if await form.count():
+            await form.locator('input[name="token"]').fill(self.token if token is None else token)
+            async with page.expect_navigation():
+                await form.locator('button[type="submit"]').click()
 
 
 @pytest.fixture

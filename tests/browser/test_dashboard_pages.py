@@ -114,7 +114,7 @@ async def test_cancel_from_the_task_page_stops_the_running_handler(
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
         pool.start("w1")
         await wait_for(lambda: _running_entry(runner, "long"), 30, "the claim")
-        await watched.page.goto(dashboard.login_url())
+        await dashboard.log_in(watched.page)
         await watched.page.goto(f"{dashboard.url}/tasks/long")
         await watched.page.locator('button[data-action="cancel"]').click()
         await wait_for(lambda: pool.marks(key="long", event="cancelled"), 30, "the handler to be cancelled")
@@ -144,7 +144,7 @@ async def test_markup_in_a_task_renders_as_inert_text(
         pool.start("w1")
         await wait_for(lambda: _in_state(runner, HOSTILE_KEY, TaskState.SUCCESS), 30, "the echo")
         await wait_for(lambda: _in_state(runner, "xss-error", TaskState.FAIL), 30, "the failure")
-    await watched.page.goto(dashboard.login_url())
+    await dashboard.log_in(watched.page)
     pages = ["/", "/tasks", f"/tasks/{quote(HOSTILE_KEY, safe='')}", "/tasks/xss-error"]
     for path in pages:
         await watched.page.goto(dashboard.url + path)
@@ -164,14 +164,10 @@ async def test_an_action_without_the_token_is_refused(
     """A cancel posted by the browser gets 403 without the token, with a wrong one, and when actions are off."""
     allowed, read_only = dashboard_factory(allow_actions=True), dashboard_factory()
     await runner.publish("sleep", {"seconds": 60}, key="kept", allow_unknown=True)
-    attempts = [
-        (allowed, None),
-        (allowed, allowed.login_url("not-the-token")),
-        (read_only, read_only.login_url()),
-    ]
+    attempts = [(allowed, None), (allowed, "not-the-token"), (read_only, read_only.token)]
     for dashboard, login in attempts:
         if login is not None:
-            await watched.page.goto(login)
+            await dashboard.log_in(watched.page, login)
         await watched.page.goto(f"{dashboard.url}/tasks/kept")
         refused = await watched.page.request.post(
             f"{dashboard.url}/actions/cancel", form={"key": "kept"}, fail_on_status_code=False
