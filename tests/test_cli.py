@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -220,7 +222,8 @@ def test_help_shows_no_value_type_for_flags() -> None:
 def test_app_reference_errors_say_what_is_missing() -> None:
     """`--app` names the missing attribute or module on one line, never "NoneType", exit 1."""
     cases = {
-        "examples.app:nosuch": "module 'examples.app' has no attribute 'nosuch' (its TaskRunner objects: runner)",
+        "examples.app:nosuch": f"module 'examples.app' (from {ROOT / 'examples' / 'app.py'}) has no attribute "
+        "'nosuch' (its TaskRunner objects: runner)",
         "examples.nosuch:runner": "no module named 'examples.nosuch'",
         "examples.app:TaskRunner": "'TaskRunner' is a type, not a TaskRunner",
         "examples.app": "--app must look like MODULE:OBJECT",
@@ -269,3 +272,40 @@ def test_first_signal_stops_gracefully_and_a_second_exits_at_once() -> None:
     )
     assert twice.returncode == 1 and "stopped by" not in twice.stdout, twice
     assert "second signal: bye" in twice.stderr
+
+
+# The project root at the end of sys.path, the current directory nowhere else: how uv's
+# editable install runs the `taskrunner` script from a clone.
+_LIKE_UV = (
+    "import os, sys; sys.path.remove(''); sys.path.append(os.getcwd()); "
+    "sys.argv = ['taskrunner', *sys.argv[1:]]; from taskrunner.cli import main; main()"
+)
+
+
+@pytest.mark.parametrize("module", ["sched", "calendar", "queue", "email"])
+def test_app_in_the_current_directory_wins_or_the_error_names_the_file_loaded(
+    module: str, tmp_path: Path
+) -> None:
+    """`--app sched:runner` loads ./sched.py, not the standard library's; where that cannot be
+    (a module the engine imported first), the error names the file loaded and the one that was not."""
+    local = tmp_path / f"{module}.py"
+    local.write_text(
+        "from taskrunner import MemoryStore, TaskRunner\nrunner = TaskRunner(store=MemoryStore())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _LIKE_UV, "publish", "x", "--app", f"{module}:nosuch"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 1, result
+    loaded = re.search(rf"module '{module}' \(from (\S+)\) has no attribute 'nosuch'", result.stderr)
+    assert loaded is not None, result.stderr
+    if module == "sched" or loaded[1] == str(local):
+        assert loaded[1] == str(local) and "(its TaskRunner objects: runner)" in result.stderr, result.stderr
+    else:
+        assert Path(loaded[1]).is_relative_to(sysconfig.get_paths()["stdlib"]), result.stderr
+        assert (
+            f"{local} was not loaded: a module named '{module}' was imported before the app" in result.stderr
+        )
