@@ -12,7 +12,6 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import structlog
 from pydantic import ValidationError
 
 from taskrunner import fields as f
@@ -32,6 +31,7 @@ from taskrunner.follow import StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
+from taskrunner.logs import get_logger
 from taskrunner.models import NewTask, Task, TaskOptions, TaskState, TaskStats, WorkerInfo, invalid_task
 from taskrunner.preflight import ServerCheck
 from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
@@ -42,10 +42,10 @@ if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
-log = structlog.get_logger("taskrunner.runner")
+log = get_logger("taskrunner.runner")
 H = TypeVar("H", bound=Callable[..., Any])
 Duration = float | int | timedelta
-DEFAULT_URI = "mongodb://localhost:27017"
+DEFAULT_URI = f.DEFAULT_URI
 OPTION_NAMES = frozenset(TaskOptions.model_fields)
 TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
 INIT_POLLING = "workers will poll for tasks instead (every --poll-interval, 5 s by default)"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import structlog
+from taskrunner.logs import get_logger
 
 FRESH_SECONDS = 1.0
 MAX_AGE = 5.0
@@ -36,7 +36,7 @@ STALE_LIMIT = 60.0  # older than this (nobody kept it fresh), a snapshot is read
 SIZE = 64  # snapshots kept (one per page and task-list filter), least recently used dropped
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
-log = structlog.get_logger("taskrunner.dashboard")
+log = get_logger("taskrunner.dashboard")
 
 
 @dataclass(frozen=True)
