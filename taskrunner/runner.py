@@ -174,7 +174,7 @@ class TaskRunner:
         if state.last_key is not None:
             with suppress(TaskNotFound):
                 last = await self.get(state.last_key)
-        next_at = state.recurrence.upcoming(now, upcoming)
+        next_at = [] if state.paused else state.recurrence.upcoming(now, upcoming)  # none fire while paused
         return ScheduleView(
             id=schedule_id, schedule=state, orphaned=orphaned, last_task=last, next_at=next_at
         )

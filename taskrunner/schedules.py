@@ -131,6 +131,7 @@ class ScheduleView(BaseModel):
     """No live worker declares it (removed from the code, or no worker is up): it never
     fires, and it is never deleted silently."""
     next_at: list[UtcDatetime] = Field(default_factory=list)
+    """The next fire times; none while the schedule is paused (its ticks never fire)."""
     last_task: Task | None = None
 
 

@@ -263,7 +263,7 @@ def _schedule_cells(view: ScheduleView) -> tuple[str, ...]:
         return (view.id, "-", "-", "-", "-", ", ".join([*status, f"unreadable: {view.problem}"]))
     s = view.schedule
     zone = ZoneInfo(s.timezone)
-    times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at)
+    times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at) or "-"
     last = f"{s.last_key} ({view.last_task.state.value if view.last_task else 'gone'})" if s.last_key else "-"
     status = ["paused" if s.paused else "active", *status]
     return (s.id, s.name, f"{s.recurrence.expression} ({s.timezone})", times, last, ", ".join(status))
