@@ -400,3 +400,26 @@ def test_help_lists_commands_in_the_order_of_docs_cli_md() -> None:
     table = (ROOT / "docs" / "cli.md").read_text().split("| command | does | API |")[1].split("\n\n")[0]
     documented = list(dict.fromkeys(re.findall(r"^\| `([a-z-]+)", table, re.M)))
     assert listed == documented
+
+
+@pytest.mark.mongo
+def test_output_to_a_pipe_has_no_padded_lines(mongo_uri: str, collection_name: str) -> None:
+    """`show` and `stats` into a pipe print lines as wide as their content: none ends in padding."""
+    published = cli(
+        "publish",
+        "resize",
+        "--params",
+        '{"width": 3}',
+        "--key",
+        "img:1",
+        uri=mongo_uri,
+        collection=collection_name,
+    )
+    assert published.returncode == 0, published.stderr
+    for command in (["show", "img:1"], ["stats"], ["list"]):
+        shown = cli(*command, uri=mongo_uri, collection=collection_name)
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines and [line for line in lines if line != line.rstrip()] == [], command
+    summary = cli("show", "img:1", uri=mongo_uri, collection=collection_name).stdout.splitlines()
+    assert "key           img:1" in summary and 'params        {"width": 3}' in summary
