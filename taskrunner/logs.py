@@ -6,9 +6,9 @@ an ISO 8601 UTC timestamp, as console lines on stderr (docs/worker.md, "Log even
 application that configures structlog itself (``structlog.configure``) gets taskrunner's
 events through its own configuration instead; ``configure_logging`` is what the CLI calls.
 
-structlog is imported on a logger's first event, not with the module: importing it loads
-its development console and rich tracebacks, which commands that never log (``taskrunner
-show``) must not pay for.
+structlog is imported on a logger's first event or ``bind``, not with the module: importing
+it loads its development console and rich tracebacks, which commands that never log
+(``taskrunner show``) must not pay for.
 """
 
 from __future__ import annotations
