@@ -33,8 +33,8 @@ AppRef = Annotated[
         "--app",
         envvar="TASKRUNNER_APP",
         metavar="MODULE:OBJECT",
-        help="Your TaskRunner (the current directory first on sys.path): params are checked against "
-        "its handlers' models.",
+        help="Your TaskRunner (the current directory first on sys.path): its handlers' models check "
+        "params, and its connection settings apply where no option gives them.",
     ),
 ]
 

@@ -192,7 +192,12 @@ def retry(key: Key, *, connection: Connection) -> None:
 @connected()
 def purge(
     state: Annotated[
-        list[FinishedState], typer.Option(case_sensitive=False, help="Finished state to delete (repeatable).")
+        list[FinishedState],
+        typer.Option(
+            case_sensitive=False,
+            metavar="success|fail|canceled",
+            help="Finished state to delete (repeatable).",
+        ),
     ],
     older_than: Annotated[
         float,
