@@ -183,8 +183,8 @@ HOME="$NPX_MONGOSH_HOME" DO_NOT_TRACK=1 exec "$NPX_MONGOSH" "$@"
 def _newcomer_environment(uri: str) -> dict[str, str]:
     """This environment, as a terminal in a clone has it: without the project's virtualenv
     (which ``uv run`` of this test put first on PATH), with the page's server."""
-    venv = Path(sys.prefix)
-    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and not Path(p).is_relative_to(venv)]
+    venv_bin = Path(sys.prefix, "bin") if sys.prefix != sys.base_prefix else None
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p) != venv_bin]
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     return {**env, "PATH": os.pathsep.join(path), "TASKRUNNER_MONGO_URI": uri, "PYTHONUNBUFFERED": "1"}
 
