@@ -2,56 +2,129 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # before the imports: the worker reads it while the package loads
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from taskrunner.context import TaskContext
-from taskrunner.errors import (
-    ConfigurationError,
-    DocumentTooLarge,
-    Fail,
-    InvalidParams,
-    InvalidSchedule,
-    InvalidState,
-    InvalidTask,
-    MalformedTask,
-    NoLiveWorkerWarning,
-    RateLimited,
-    Retry,
-    RunnerClosed,
-    ScheduleNotFound,
-    ServerTooOld,
-    StoreError,
-    StoreUnavailable,
-    TaskNotFound,
-    TaskRunnerError,
-    UnknownTaskName,
-    WaitTimeout,
-    WriteRejected,
-)
-from taskrunner.gates import Limit
-from taskrunner.limits import LimitState
-from taskrunner.models import (
-    EntryState,
-    NewTask,
-    PinnedAway,
-    StoredTask,
-    SyncTask,
-    Task,
-    TaskError,
-    TaskOptions,
-    TaskPage,
-    TaskState,
-    TaskStats,
-    WorkerEntry,
-    WorkerInfo,
-)
-from taskrunner.preflight import ServerCheck, ServerInfo
-from taskrunner.runner import TaskRunner
-from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
-from taskrunner.store.memory import MemoryStore
-from taskrunner.sync import SyncTaskRunner
-from taskrunner.worker import Worker
-from taskrunner.worker_options import WorkerOptions
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the names as mypy and the API reference see them
+    from taskrunner.context import TaskContext
+    from taskrunner.errors import (
+        ConfigurationError,
+        DocumentTooLarge,
+        Fail,
+        InvalidParams,
+        InvalidSchedule,
+        InvalidState,
+        InvalidTask,
+        MalformedTask,
+        NoLiveWorkerWarning,
+        RateLimited,
+        Retry,
+        RunnerClosed,
+        ScheduleNotFound,
+        ServerTooOld,
+        StoreError,
+        StoreUnavailable,
+        TaskNotFound,
+        TaskRunnerError,
+        UnknownTaskName,
+        WaitTimeout,
+        WriteRejected,
+    )
+    from taskrunner.gates import Limit
+    from taskrunner.limits import LimitState
+    from taskrunner.logs import configure_logging
+    from taskrunner.models import (
+        EntryState,
+        NewTask,
+        PinnedAway,
+        StoredTask,
+        SyncTask,
+        Task,
+        TaskError,
+        TaskOptions,
+        TaskPage,
+        TaskState,
+        TaskStats,
+        WorkerEntry,
+        WorkerInfo,
+    )
+    from taskrunner.preflight import ServerCheck, ServerInfo
+    from taskrunner.runner import TaskRunner
+    from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
+    from taskrunner.store.memory import MemoryStore
+    from taskrunner.sync import SyncTaskRunner
+    from taskrunner.worker import Worker
+    from taskrunner.worker_options import WorkerOptions
+
+# Each public name is imported on first use (PEP 562), not with the package: the
+# `taskrunner` command imports this package for every command, and most commands need
+# a small part of it (`taskrunner --help` none).
+_EXPORTS = {
+    "ConfigurationError": "taskrunner.errors",
+    "DocumentTooLarge": "taskrunner.errors",
+    "EntryState": "taskrunner.models",
+    "Fail": "taskrunner.errors",
+    "InvalidParams": "taskrunner.errors",
+    "InvalidSchedule": "taskrunner.errors",
+    "InvalidState": "taskrunner.errors",
+    "InvalidTask": "taskrunner.errors",
+    "Limit": "taskrunner.gates",
+    "LimitState": "taskrunner.limits",
+    "MalformedTask": "taskrunner.errors",
+    "MemoryStore": "taskrunner.store.memory",
+    "NewTask": "taskrunner.models",
+    "NoLiveWorkerWarning": "taskrunner.errors",
+    "PinnedAway": "taskrunner.models",
+    "RateLimited": "taskrunner.errors",
+    "Retry": "taskrunner.errors",
+    "RunnerClosed": "taskrunner.errors",
+    "Schedule": "taskrunner.schedules",
+    "ScheduleNotFound": "taskrunner.errors",
+    "ScheduleState": "taskrunner.schedules",
+    "ScheduleView": "taskrunner.schedules",
+    "ServerCheck": "taskrunner.preflight",
+    "ServerInfo": "taskrunner.preflight",
+    "ServerTooOld": "taskrunner.errors",
+    "StoreError": "taskrunner.errors",
+    "StoreUnavailable": "taskrunner.errors",
+    "StoredTask": "taskrunner.models",
+    "SyncTask": "taskrunner.models",
+    "SyncTaskRunner": "taskrunner.sync",
+    "Task": "taskrunner.models",
+    "TaskContext": "taskrunner.context",
+    "TaskError": "taskrunner.models",
+    "TaskNotFound": "taskrunner.errors",
+    "TaskOptions": "taskrunner.models",
+    "TaskPage": "taskrunner.models",
+    "TaskRunner": "taskrunner.runner",
+    "TaskRunnerError": "taskrunner.errors",
+    "TaskState": "taskrunner.models",
+    "TaskStats": "taskrunner.models",
+    "UnknownTaskName": "taskrunner.errors",
+    "WaitTimeout": "taskrunner.errors",
+    "Worker": "taskrunner.worker",
+    "WorkerEntry": "taskrunner.models",
+    "WorkerInfo": "taskrunner.models",
+    "WorkerOptions": "taskrunner.worker_options",
+    "WriteRejected": "taskrunner.errors",
+    "configure_logging": "taskrunner.logs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'taskrunner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 # The public API is what a user's code names: what it builds or calls (runners, the
 # worker and its options, the memory store for tests), what handlers raise (Fail, Retry,
@@ -108,4 +181,5 @@ __all__ = [
     "WorkerInfo",
     "WorkerOptions",
     "WriteRejected",
+    "configure_logging",
 ]

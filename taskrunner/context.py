@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import structlog
-
 from taskrunner.errors import Retry
+from taskrunner.logs import get_logger
 from taskrunner.sizes import fit_progress
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ class TaskContext:
 
     def __post_init__(self) -> None:
         if self.logger is None:
-            self.logger = structlog.get_logger("taskrunner.task").bind(
+            self.logger = get_logger("taskrunner.task").bind(
                 key=self.key, run_id=self.run_id, worker_id=self.worker_id, attempt=self.attempt
             )
 

@@ -28,8 +28,6 @@ from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
-import structlog
-
 from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
@@ -39,13 +37,14 @@ from taskrunner.errors import (
     TaskRunnerError,
 )
 from taskrunner.follow import StreamEnds
+from taskrunner.logs import get_logger
 from taskrunner.models import Task
 from taskrunner.outage import Outage
 from taskrunner.redact import redact
 from taskrunner.rules import MALFORMED
 from taskrunner.store.base import ChangeEvent, Store, Unreadable
 
-log = structlog.get_logger("taskrunner.discovery")
+log = get_logger("taskrunner.discovery")
 REPORTED_MAX = 10_000  # unreadable documents remembered so sweeps do not log them again
 MAX_BACKOFF = 3.0  # seconds between reconnect attempts while the server is away (before jitter)
 MAX_STREAM_RETRY = 60.0  # seconds between attempts to reopen a stream that keeps failing

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import bson
-import structlog
 from pydantic import BaseModel
 
 from taskrunner import sizes
@@ -40,6 +39,7 @@ from taskrunner.errors import (
 )
 from taskrunner.handlers import Handlers, Registration
 from taskrunner.heartbeat import Heartbeat, Lease
+from taskrunner.logs import get_logger
 from taskrunner.models import Task, TaskError
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.redact import redact
@@ -162,7 +162,7 @@ class Execution:
         self.task, self.run_id, self.worker_id, self.executor = claim.task, claim.run_id, worker_id, executor
         self.key = claim.task.key
         self.budget = claim.task.budget()
-        self.log = structlog.get_logger("taskrunner.run").bind(
+        self.log = get_logger("taskrunner.run").bind(
             key=self.key, run_id=self.run_id, name=self.task.name, worker_id=worker_id
         )
         self.stopped: Stop | None = None

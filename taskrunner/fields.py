@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+DEFAULT_URI: Final = "mongodb://localhost:27017"
 DEFAULT_DATABASE: Final = "taskrunner"
 DEFAULT_COLLECTION: Final = "tasks"
 

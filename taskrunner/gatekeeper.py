@@ -24,8 +24,6 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from taskrunner import fields as f
 from taskrunner.errors import StoreError
 from taskrunner.gates import (
@@ -47,13 +45,14 @@ from taskrunner.gates import (
     resize,
     take,
 )
+from taskrunner.logs import get_logger
 from taskrunner.outage import Outage
 
 if TYPE_CHECKING:
     from taskrunner.claimqueue import Due
     from taskrunner.store.base import Store
 
-log = structlog.get_logger("taskrunner.gates")
+log = get_logger("taskrunner.gates")
 TICK = 0.5
 """Seconds between looks at what to renew or give back."""
 RECHECK = 0.2

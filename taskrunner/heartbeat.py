@@ -19,9 +19,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from taskrunner.errors import TaskRunnerError
+from taskrunner.logs import get_logger
 from taskrunner.outage import Outage
 from taskrunner.store.base import RunStatus, RunWrite
 from taskrunner.writes import RunWrites
@@ -55,7 +54,7 @@ class Heartbeat:
 
     def __init__(self, writes: RunWrites, worker_id: str) -> None:
         self.writes, self.worker_id = writes, worker_id
-        self.log = structlog.get_logger("taskrunner.heartbeat").bind(worker_id=worker_id)
+        self.log = get_logger("taskrunner.heartbeat").bind(worker_id=worker_id)
         self._leases: dict[str, Lease] = {}
         self._next = 0.0
         self._changed = asyncio.Event()

@@ -22,16 +22,16 @@ from contextlib import suppress
 from datetime import UTC, datetime
 from typing import Any
 
-import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from taskrunner.errors import ChangeStreamEnded, InvalidTask, StoreError, StoreUnavailable
 from taskrunner.follow import Reading, StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
+from taskrunner.logs import get_logger
 from taskrunner.models import UtcDatetime, first_error
 from taskrunner.outage import Outage
 
-log = structlog.get_logger("taskrunner.limits")
+log = get_logger("taskrunner.limits")
 ALL = "*"
 """The ``_id`` whose document pauses every task name (``taskrunner pause --all``)."""
 POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents without a stream

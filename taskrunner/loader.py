@@ -1,4 +1,12 @@
-"""Load the ``TaskRunner`` an ``--app MODULE:OBJECT`` reference names."""
+"""Load the ``TaskRunner`` an ``--app MODULE:OBJECT`` reference names.
+
+The current directory comes first on ``sys.path``, as for ``python -m``: a user's
+``sched.py`` must win over the standard library's ``sched``. Tools may have put the
+directory elsewhere already (uv's editable install appends the project root), so it is
+moved, not only added when missing. A module imported before the app (``queue``,
+``email``, ... which the engine's libraries use) cannot be replaced; the error then says
+which file was loaded and that the directory's file of that name was not.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +20,32 @@ from taskrunner.runner import TaskRunner
 
 
 def load_app(reference: str) -> TaskRunner:
-    """Import ``MODULE:OBJECT`` (the current directory is importable) and check its type."""
+    """Import ``MODULE:OBJECT`` (the current directory first on ``sys.path``) and check its type."""
     module_name, _, attr = reference.partition(":")
     if not module_name or not attr:
         raise ConfigurationError(f"--app must look like MODULE:OBJECT, got {reference!r}")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    _current_directory_first()
     module = _import(module_name, reference)
     if not hasattr(module, attr):
         raise ConfigurationError(
-            f"--app {reference}: module {module_name!r} has no attribute {attr!r}{_hint(module)}"
+            f"--app {reference}: module {module_name!r} (from {_origin(module)}) has no attribute "
+            f"{attr!r}{_hint(module)}{_shadowed(module_name, module)}"
         )
     app = getattr(module, attr)
     if not isinstance(app, TaskRunner):
-        raise ConfigurationError(f"--app {reference}: {attr!r} is a {type(app).__name__}, not a TaskRunner")
+        raise ConfigurationError(
+            f"--app {reference}: {attr!r} is a {type(app).__name__}, not a TaskRunner "
+            f"(module {module_name!r} from {_origin(module)}){_shadowed(module_name, module)}"
+        )
     return app
+
+
+def _current_directory_first() -> None:
+    cwd = str(Path.cwd())
+    if sys.path and sys.path[0] in ("", cwd):
+        return
+    sys.path[:] = [entry for entry in sys.path if entry != cwd]
+    sys.path.insert(0, cwd)
 
 
 def _import(module_name: str, reference: str) -> ModuleType:
@@ -40,6 +59,31 @@ def _import(module_name: str, reference: str) -> ModuleType:
         raise ConfigurationError(f"--app {reference}: importing {module_name!r} failed: {exc}") from exc
     except ImportError as exc:
         raise ConfigurationError(f"--app {reference}: importing {module_name!r} failed: {exc}") from exc
+
+
+def _origin(module: ModuleType) -> str:
+    """The file a module was loaded from, or what stands for it (built-in, namespace package)."""
+    spec = module.__spec__
+    if spec is not None and spec.origin not in (None, "built-in", "frozen"):
+        return str(spec.origin)
+    locations = list(getattr(module, "__path__", []))
+    if locations:
+        return f"namespace package {', '.join(map(str, locations))}"
+    return "built-in module" if spec is None or spec.origin is None else f"{spec.origin} module"
+
+
+def _shadowed(module_name: str, module: ModuleType) -> str:
+    """Why the current directory's file of that name was not loaded, if it has one."""
+    top = module_name.partition(".")[0]
+    cwd = Path.cwd()
+    local = next((p for p in (cwd / f"{top}.py", cwd / top) if p.exists()), None)
+    origin = Path(_origin(module))
+    if local is None or origin.is_relative_to(cwd):
+        return ""
+    return (
+        f"; {local} was not loaded: a module named {top!r} was imported before the app "
+        "(the engine's libraries use it), so rename your file"
+    )
 
 
 def _hint(module: ModuleType) -> str:

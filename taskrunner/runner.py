@@ -12,7 +12,6 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import structlog
 from pydantic import ValidationError
 
 from taskrunner import fields as f
@@ -32,6 +31,7 @@ from taskrunner.follow import StreamEnds
 from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits import ALL, LimitState
+from taskrunner.logs import get_logger
 from taskrunner.models import (
     NewTask,
     Task,
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
-log = structlog.get_logger("taskrunner.runner")
+log = get_logger("taskrunner.runner")
 H = TypeVar("H", bound=Callable[..., Any])
 Duration = float | int | timedelta
-DEFAULT_URI = "mongodb://localhost:27017"
+DEFAULT_URI = f.DEFAULT_URI
 OPTION_NAMES = frozenset(TaskOptions.model_fields)
 TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
 INIT_POLLING = "workers will poll for tasks instead (every --poll-interval, 5 s by default)"
@@ -191,7 +191,7 @@ class TaskRunner:
         if state.last_key is not None:
             with suppress(TaskNotFound):
                 last = await self.get(state.last_key)
-        next_at = state.recurrence.upcoming(now, upcoming)
+        next_at = [] if state.paused else state.recurrence.upcoming(now, upcoming)  # none fire while paused
         return ScheduleView(
             id=schedule_id, schedule=state, orphaned=orphaned, last_task=last, next_at=next_at
         )

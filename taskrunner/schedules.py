@@ -19,10 +19,10 @@ from contextlib import suppress
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from taskrunner.errors import InvalidSchedule, StoreError
+from taskrunner.logs import get_logger
 from taskrunner.models import NewTask, Task, UtcDatetime, first_error, invalid_task
 from taskrunner.recurrence import CATCH_UPS, CatchUp, Recurrence, due, duration, iso, parse, tick_key
 from taskrunner.redact import redact
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from taskrunner.outage import Outage
     from taskrunner.store.base import Store
 
-log = structlog.get_logger("taskrunner.schedules")
+log = get_logger("taskrunner.schedules")
 BACKUP_DELAY = 1.0  # seconds a worker of rank n waits (times n) after a tick before firing it
 MAX_SLEEP = 5.0  # the loop looks at the documents at least this often (pause, resume, edits)
 DEFAULT_GRACE = 5.0  # seconds after its time a tick still counts as on time (not missed)
@@ -135,6 +135,7 @@ class ScheduleView(BaseModel):
     """No live worker declares it (removed from the code, or no worker is up): it never
     fires, and it is never deleted silently."""
     next_at: list[UtcDatetime] = Field(default_factory=list)
+    """The next fire times; none while the schedule is paused (its ticks never fire)."""
     last_task: Task | None = None
 
 

@@ -32,8 +32,6 @@ from contextlib import suppress
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from taskrunner import __version__, preflight, rules
 from taskrunner.claimqueue import ClaimQueue, Due
 from taskrunner.discovery import Discovery
@@ -51,6 +49,7 @@ from taskrunner.gatekeeper import GateKeeper
 from taskrunner.gates import Limit, Permit, dealt_to
 from taskrunner.heartbeat import Heartbeat
 from taskrunner.limits import LimitWatch
+from taskrunner.logs import get_logger
 from taskrunner.models import Task, TaskState, WorkerInfo
 from taskrunner.observe import NullObserver, WorkerObserver
 from taskrunner.outage import Outage
@@ -164,7 +163,7 @@ class Worker:
         self.runs: dict[str, tuple[Execution, asyncio.Task[None]]] = {}
         self.writes = RunWrites(self.store)  # every run's renewals and outcomes, grouped
         self.heartbeat = Heartbeat(self.writes, self.worker_id)
-        self.log = structlog.get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
+        self.log = get_logger("taskrunner.worker").bind(worker_id=self.worker_id)
         self.declared = {name: runner.handlers.get(name).limit for name in self.names}
         self._stop = asyncio.Event()
         self._slots = asyncio.Semaphore(self.concurrency)

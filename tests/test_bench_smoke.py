@@ -389,3 +389,18 @@ def test_faults_smoke(tmp_path: Path) -> None:
         )
         assert line["recovery_median_s"] == line["recovery_s"][0] >= 0
         assert line["exit_max_s"] > 0
+
+
+def test_cli_startup_smoke(tmp_path: Path) -> None:
+    """``cli_startup.py --smoke`` reports the CPU of `--help`, `show` and their baselines, and the margins."""
+    result = run_bench("cli_startup.py", "--smoke", results=tmp_path / "results.jsonl", timeout=120)
+    assert result["bench"] == "cli_startup" and result["config"] == {"repeat": 2}
+    for name in ("typer", "libraries", "help", "show"):
+        assert len(result["runs"][name]) == 2 and result[f"{name}_cpu_s"] > 0
+    assert result["help_over_typer_s"] == pytest.approx(
+        result["help_cpu_s"] - result["typer_cpu_s"], abs=1e-3
+    )
+    assert result["show_over_libraries_s"] == pytest.approx(
+        result["show_cpu_s"] - result["libraries_cpu_s"], abs=1e-3
+    )
+    assert isinstance(result["help_within_margin"], bool) and isinstance(result["show_within_margin"], bool)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -214,13 +216,16 @@ def test_help_shows_no_value_type_for_flags() -> None:
         result = CliRunner(env={"COLUMNS": "120"}).invoke(app, args)
         assert result.exit_code == 0, result.output
         assert "<bool>" not in result.output and "--help" in result.output, result.output
-    assert "<float>" in CliRunner().invoke(app, ["show", "--help"]).output  # valued options keep theirs
+    assert (
+        "--timeout DURATION" in CliRunner().invoke(app, ["show", "--help"]).output
+    )  # valued options keep theirs
 
 
 def test_app_reference_errors_say_what_is_missing() -> None:
     """`--app` names the missing attribute or module on one line, never "NoneType", exit 1."""
     cases = {
-        "examples.app:nosuch": "module 'examples.app' has no attribute 'nosuch' (its TaskRunner objects: runner)",
+        "examples.app:nosuch": f"module 'examples.app' (from {ROOT / 'examples' / 'app.py'}) has no attribute "
+        "'nosuch' (its TaskRunner objects: runner)",
         "examples.nosuch:runner": "no module named 'examples.nosuch'",
         "examples.app:TaskRunner": "'TaskRunner' is a type, not a TaskRunner",
         "examples.app": "--app must look like MODULE:OBJECT",
@@ -278,3 +283,151 @@ def test_first_signal_stops_gracefully_and_a_later_second_exits_at_once() -> Non
     )
     assert twice.returncode == 1 and "stopped by" not in twice.stdout, twice
     assert twice.stderr.count("second signal: bye") == 1, twice
+
+
+# The project root at the end of sys.path, the current directory nowhere else: how uv's
+# editable install runs the `taskrunner` script from a clone.
+_LIKE_UV = (
+    "import os, sys; sys.path.remove(''); sys.path.append(os.getcwd()); "
+    "sys.argv = ['taskrunner', *sys.argv[1:]]; from taskrunner.cli import main; main()"
+)
+
+
+@pytest.mark.parametrize("module", ["sched", "calendar", "queue", "email"])
+def test_app_in_the_current_directory_wins_or_the_error_names_the_file_loaded(
+    module: str, tmp_path: Path
+) -> None:
+    """`--app sched:runner` loads ./sched.py, not the standard library's; where that cannot be
+    (a module the engine imported first), the error names the file loaded and the one that was not."""
+    local = tmp_path / f"{module}.py"
+    local.write_text(
+        "from taskrunner import MemoryStore, TaskRunner\nrunner = TaskRunner(store=MemoryStore())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _LIKE_UV, "publish", "x", "--app", f"{module}:nosuch"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert result.returncode == 1, result
+    loaded = re.search(rf"module '{module}' \(from (\S+)\) has no attribute 'nosuch'", result.stderr)
+    assert loaded is not None, result.stderr
+    if module == "sched" or loaded[1] == str(local):
+        assert loaded[1] == str(local) and "(its TaskRunner objects: runner)" in result.stderr, result.stderr
+    else:
+        assert Path(loaded[1]).is_relative_to(sysconfig.get_paths()["stdlib"]), result.stderr
+        assert (
+            f"{local} was not loaded: a module named '{module}' was imported before the app" in result.stderr
+        )
+
+
+def _click_commands() -> dict[str, Any]:
+    """Every command and subcommand as click sees it, by its command line ("schedules pause")."""
+    import typer.main
+
+    root = typer.main.get_command(app)
+    found: dict[str, Any] = {}
+
+    def walk(prefix: str, group: Any) -> None:
+        for name, command in group.commands.items():
+            found[f"{prefix}{name}"] = command
+            if hasattr(command, "commands"):
+                walk(f"{prefix}{name} ", command)
+
+    walk("", root)
+    return found
+
+
+# Every option that takes a time, by command.
+DURATION_OPTIONS = {
+    "publish": ["delay", "retry_backoff", "ping_interval", "ping_timeout", "run_timeout", "timeout"],
+    "worker": ["shutdown_timeout", "poll_interval", "beat_interval", "timeout"],
+    "wait": ["within", "timeout"],
+    "purge": ["older_than", "timeout"],
+    "show": ["timeout"],
+}
+
+
+def test_every_time_option_takes_a_duration() -> None:
+    """`--delay 1m`, `--timeout 2s`, `--within 60s`: every time option takes seconds or a unit, shown as DURATION."""
+    commands = _click_commands()
+    for command_name, names in DURATION_OPTIONS.items():
+        command = commands[command_name]
+        context = command.make_context(
+            command_name, ["k"] if command_name != "worker" else [], resilient_parsing=True
+        )
+        params = {p.name: p for p in command.params}
+        for name in names:
+            param = params[name]
+            assert param.metavar == "DURATION", (command_name, name)
+            assert param.process_value(context, "1m") == 60.0, (command_name, name)
+            assert param.process_value(context, "1.5") == 1.5, (command_name, name)
+    for command_name, command in commands.items():  # no time option left in plain seconds
+        for param in command.params:
+            assert not (getattr(param, "help", None) or "").lower().startswith("seconds"), (
+                command_name,
+                param.name,
+            )
+
+
+def test_help_names_types_a_reader_knows() -> None:
+    """No option shows a Python type such as `<list[str]>`; `--log-format`, `--timeout` and `--run-timeout` say what they are."""
+    runner = CliRunner(env={"COLUMNS": "200"})
+    for command_name in ["", *_click_commands()]:
+        shown = runner.invoke(app, [*command_name.split(), "--help"]).output
+        assert not re.search(r"<(list|dict|tuple)\[|\[str\]", shown), (command_name, shown)
+    publish = " ".join(runner.invoke(app, ["publish", "--help"]).output.split())
+    assert "<list" not in publish and "--worker-id ID" in publish
+    assert "not a task's time limit" in publish and "--timeout is the server's" in publish
+    worker = " ".join(runner.invoke(app, ["worker", "--help"]).output.split())
+    assert "json: one JSON object per line" in worker
+
+
+def test_schedules_help_names_only_commands_that_exist() -> None:
+    """`schedules --help` says the group lists schedules itself; it names no `list` command."""
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["schedules", "--help"])
+    assert "without a command, list the stored ones" in result.output
+    assert "list," not in result.output
+    assert CliRunner().invoke(app, ["schedules", "list"]).exit_code == 2  # indeed no such command
+
+
+def test_version_prints_the_package_version() -> None:
+    """`taskrunner --version` prints `taskrunner X.Y.Z` and exits 0."""
+    import taskrunner
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.output) == (0, f"taskrunner {taskrunner.__version__}\n")
+
+
+def test_help_lists_commands_in_the_order_of_docs_cli_md() -> None:
+    """`taskrunner --help` starts with demo and dev-server, and lists commands in docs/cli.md's table order."""
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["--help"])
+    listed = [line.split()[0] for line in result.output.split("Commands:")[1].strip().splitlines()]
+    assert listed[:2] == ["demo", "dev-server"]
+    table = (ROOT / "docs" / "cli.md").read_text().split("| command | does | API |")[1].split("\n\n")[0]
+    documented = list(dict.fromkeys(re.findall(r"^\| `([a-z-]+)", table, re.M)))
+    assert listed == documented
+
+
+@pytest.mark.mongo
+def test_output_to_a_pipe_has_no_padded_lines(mongo_uri: str, collection_name: str) -> None:
+    """`show` and `stats` into a pipe print lines as wide as their content: none ends in padding."""
+    published = cli(
+        "publish",
+        "resize",
+        "--params",
+        '{"width": 3}',
+        "--key",
+        "img:1",
+        uri=mongo_uri,
+        collection=collection_name,
+    )
+    assert published.returncode == 0, published.stderr
+    for command in (["show", "img:1"], ["stats"], ["list"]):
+        shown = cli(*command, uri=mongo_uri, collection=collection_name)
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines and [line for line in lines if line != line.rstrip()] == [], command
+    summary = cli("show", "img:1", uri=mongo_uri, collection=collection_name).stdout.splitlines()
+    assert "key           img:1" in summary and 'params        {"width": 3}' in summary

@@ -2,16 +2,16 @@
 
 The convention (docs/design.md, "Documentation that runs"). Each page's blocks run in order, from the
 repository's root, with ``TASKRUNNER_MONGO_URI`` set to a fresh embedded server of their own
-(``TaskRunner()`` with no URI reads it) and the project's virtualenv first on ``PATH``:
+(``TaskRunner()`` with no URI reads it), in the terminal of a newcomer in a clone: the
+project's virtualenv is *not* on ``PATH`` (``uv run taskrunner`` works, a bare ``taskrunner``
+does not, and the convention refuses a block that calls it bare):
 
-- ```python blocks of a page run in one Python session, as pasted in order into
-  ``python -m asyncio``: ``await`` works at top level, names carry over to the page's later
-  blocks, and the event loop keeps running between blocks;
+- each ```python block is a complete program, run alone as the pages say:
+  ``uv run python FILE`` (no top-level ``await``, no names from an earlier block);
 - ```sh blocks (``bash`` and ``shell`` too) run in ``bash -euo pipefail``, each in a fresh
-  shell; ```console blocks run their ``$ `` lines the same way (the rest is sample output,
-  not compared);
+  shell that has the page's earlier exports and directory; ```console blocks run their
+  ``$ `` lines the same way (the rest is sample output, not compared);
 - an HTML comment on the line before a fence changes that:
-  ``<!-- run: script -->`` runs a ```python block alone, as ``python file.py``;
   ``<!-- run: background -->`` starts a block that runs until stopped (a dev server, a
   worker) and stops it with SIGTERM after the page's last block, and
   ``<!-- run: background until=TEXT -->`` also waits for TEXT in its output first;
@@ -30,7 +30,6 @@ can answer its prompt. A block that fails fails the test with its page, line and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -55,7 +54,9 @@ SHELLS = {"sh", "bash", "shell"}
 SAMPLES = {"text", "json", "jsonc", "toml", "yaml", "ini", "mermaid", "promql", "js"}
 # Pages whose ```python blocks another test runs its own way (as a user's test modules).
 PYTHON_RUN_ELSEWHERE = {"testing.md": "tests/test_testing_docs.py"}
-MODES = {"script", "background", "skip"}
+MODES = {"background", "skip"}
+# A command line that runs the CLI bare (a newcomer in a clone has no `taskrunner` on PATH).
+BARE_CLI = re.compile(r"^\s*(\$\s+)?taskrunner\b", re.M)
 # Installing into whatever pip, npm or apt the PATH holds would change the tester's machine.
 INSTALLS = re.compile(r"\b(pip3?|npm|apt(-get)?|brew)\s+(install|i)\b")
 BLOCK_TIMEOUT_S = 180
@@ -122,6 +123,8 @@ def _breach(block: Block) -> str | None:
     """What is wrong with a block under the convention, if anything."""
     if block.mode is not None and block.mode not in MODES:
         return f"unknown directive 'run: {block.mode}' (one of {sorted(MODES)})"
+    if (block.lang in SHELLS or block.lang == "console") and BARE_CLI.search(block.code):
+        return "runs `taskrunner` bare, which a clone does not have on PATH: write `uv run taskrunner`"
     if block.mode == "skip":
         return None if block.argument else "'run: skip' must give its reason: <!-- run: skip: REASON -->"
     if block.lang in SAMPLES:
@@ -133,8 +136,8 @@ def _breach(block: Block) -> str | None:
         return (
             f"{name} block never runs: use ```python or ```sh, a sample fence, or <!-- run: skip: REASON -->"
         )
-    if block.mode == "script" and block.lang != "python":
-        return "'run: script' is for ```python blocks"
+    if block.lang == "python" and (problem := _not_a_program(block.code)):
+        return problem
     if INSTALLS.search(block.code):
         return "installs software on the machine running the test: <!-- run: skip: REASON --> it"
     if block.lang == "console" and not _console_commands(block.code):
@@ -144,40 +147,25 @@ def _breach(block: Block) -> str | None:
     return None
 
 
+def _not_a_program(code: str) -> str | None:
+    """Why a python block cannot run alone as ``python FILE``, judged by the compiler."""
+    try:
+        compile(code, "<block>", "exec")
+    except SyntaxError as exc:
+        if "await" in str(exc) or "async" in str(exc):
+            return (
+                "a ```python block is a complete program, run as `uv run python FILE`: "
+                f"no top-level await ({exc.msg}); use asyncio.run(main())"
+            )
+        return f"not valid Python: {exc.msg} (line {exc.lineno})"
+    return None
+
+
 def _console_commands(code: str) -> str:
     return "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ "))
 
 
 # -- running a page ---------------------------------------------------------------------------
-
-SESSION = r"""
-import ast, asyncio, inspect, json, os, sys, threading, traceback, types
-
-replies = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # what the blocks print goes to the output log, replies to the test
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-loop = asyncio.new_event_loop()
-threading.Thread(target=loop.run_forever, daemon=True).start()
-
-
-async def run(code):
-    result = types.FunctionType(code, namespace)()
-    if inspect.iscoroutine(result):
-        await result
-
-
-for request in sys.stdin:
-    block = json.loads(request)
-    try:
-        source = "\n" * block["line"] + block["code"]  # tracebacks cite the page's line numbers
-        code = compile(source, block["page"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-        asyncio.run_coroutine_threadsafe(run(code), loop).result()
-        reply = None
-    except BaseException:
-        reply = traceback.format_exc()
-    sys.stdout.flush()
-    print(json.dumps(reply), file=replies, flush=True)
-"""
 
 NPX = r"""#!/usr/bin/env bash
 # The docs test's npx: runs the pinned mongosh; like npx, refuses to install without --yes.
@@ -192,17 +180,23 @@ HOME="$NPX_MONGOSH_HOME" DO_NOT_TRACK=1 exec "$NPX_MONGOSH" "$@"
 """
 
 
+def _newcomer_environment(uri: str) -> dict[str, str]:
+    """This environment, as a terminal in a clone has it: without the project's virtualenv
+    (which ``uv run`` of this test put first on PATH), with the page's server."""
+    venv_bin = Path(sys.prefix, "bin") if sys.prefix != sys.base_prefix else None
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p) != venv_bin]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    return {**env, "PATH": os.pathsep.join(path), "TASKRUNNER_MONGO_URI": uri, "PYTHONUNBUFFERED": "1"}
+
+
 class PageRun:
     """Runs one page's blocks in order in a scratch directory; failure text names the block."""
 
     def __init__(self, scratch: Path, uri: str) -> None:
         self.scratch = scratch
         scratch.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "TASKRUNNER_MONGO_URI": uri, "PYTHONUNBUFFERED": "1"}
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
+        self.env = _newcomer_environment(uri)
         self.stack = ExitStack()
-        self.session: subprocess.Popen[str] | None = None
-        self.log = scratch / "output.log"
         self.count = 0
 
     def __enter__(self) -> PageRun:
@@ -226,15 +220,13 @@ class PageRun:
         output = self.scratch / f"block-{self.count}.log"
         if block.mode == "background":
             return self._background(block, output)
-        if block.lang == "python" and block.mode is None:
-            return self._in_session(block)
         return self._once(block, output)
 
     def _command(self, block: Block) -> list[str]:
         if block.lang == "python":
             script = self.scratch / f"block-{self.count}.py"
-            script.write_text(block.code)
-            return [sys.executable, str(script)]
+            script.write_text("\n" * block.line + block.code)  # tracebacks cite the page's line numbers
+            return ["uv", "run", "python", str(script)]
         code = _console_commands(block.code) if block.lang == "console" else block.code
         if block.mode != "background":  # a page's shell blocks share one terminal's exports and cwd
             state = shlex.quote(str(self.scratch / "shell-state.sh"))
@@ -282,33 +274,6 @@ class PageRun:
                 return f"no {ready!r} within {READY_TIMEOUT_S} s:\n{output.read_text()}"
             time.sleep(0.1)
         return None
-
-    def _in_session(self, block: Block) -> str | None:
-        session = self.session or self._start_session()
-        assert session.stdin is not None and session.stdout is not None
-        offset = self.log.stat().st_size
-        session.stdin.write(json.dumps({"page": block.page, "line": block.line, "code": block.code}) + "\n")
-        session.stdin.flush()
-        reply = session.stdout.readline()
-        printed = self.log.read_text()[offset:]
-        if not reply:
-            return f"the Python session ended (exit status {session.wait()}):\n{printed}"
-        failure: str | None = json.loads(reply)
-        return None if failure is None else f"{printed}{failure}"
-
-    def _start_session(self) -> subprocess.Popen[str]:
-        log = self.stack.enter_context(self.log.open("w"))
-        self.session = subprocess.Popen(
-            [sys.executable, "-c", SESSION],
-            cwd=ROOT,
-            env=self.env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-        self.stack.callback(_stop, self.session)
-        return self.session
 
 
 def _stop(process: subprocess.Popen[Any]) -> None:
@@ -386,8 +351,10 @@ def test_parse_page_reports_every_breach(tmp_path: Path) -> None:
         "```console\nout\n```\n"
         "<!-- run: later -->\n```sh\necho\n```\n"
         "<!-- run: skip: needs Docker -->\n```dockerfile\nFROM x\n```\n"
-        "<!-- run: script -->\n```sh\necho\n```\n"
+        "<!-- run: script -->\n```python\nprint()\n```\n"
         "```sh\npip install taskrunner\n```\n"
+        "```python\nawait main()\n```\n"
+        "<!-- run: skip: serves until Ctrl-C -->\n```console\n$ taskrunner dashboard\n```\n"
     )
     blocks, problems = parse_page(page)
     assert [(b.line, b.lang, b.mode, b.runs) for b in blocks][:2] == [
@@ -399,9 +366,12 @@ def test_parse_page_reports_every_breach(tmp_path: Path) -> None:
         "x.md:8: 'run: skip' must give its reason: <!-- run: skip: REASON -->",
         "x.md:12: a run directive on a ```text block, which never runs",
         "x.md:15: ```console block without '$ ' commands: use ```text for output alone",
-        "x.md:19: unknown directive 'run: later' (one of ['background', 'script', 'skip'])",
-        "x.md:27: 'run: script' is for ```python blocks",
+        "x.md:19: unknown directive 'run: later' (one of ['background', 'skip'])",
+        "x.md:27: unknown directive 'run: script' (one of ['background', 'skip'])",
         "x.md:30: installs software on the machine running the test: <!-- run: skip: REASON --> it",
+        "x.md:33: a ```python block is a complete program, run as `uv run python FILE`: no top-level await "
+        "('await' outside function); use asyncio.run(main())",
+        "x.md:37: runs `taskrunner` bare, which a clone does not have on PATH: write `uv run taskrunner`",
     ]
 
 
@@ -418,22 +388,30 @@ def test_a_failing_block_fails_with_its_page_line_and_output(tmp_path: Path) -> 
     assert "never\n" not in failure.split("--- the block:")[0]
 
 
-def test_python_blocks_share_a_session_with_top_level_await(tmp_path: Path) -> None:
-    """Names and a background task carry over between python blocks; a raise names the page's line."""
+def test_python_blocks_run_alone_as_programs(tmp_path: Path) -> None:
+    """Each python block runs as `uv run python FILE`: no names carry over, and a raise names the page's line."""
     page = tmp_path / "x.md"
     page.write_text(
-        "```python\nimport asyncio\nticks = []\n"
-        "async def tick():\n    while True:\n        ticks.append(1)\n        await asyncio.sleep(0.01)\n"
-        "task = asyncio.create_task(tick())\n```\n"
-        "```python\nawait asyncio.sleep(0.2)\nprint('ticks', len(ticks) > 3)\n"
-        "raise ValueError('boom')\n```\n"
+        "```python\nimport asyncio\nticks = [1]\nasyncio.run(asyncio.sleep(0))\n```\n"
+        "```python\nimport sys\nprint('prefix', sys.prefix)\nprint(ticks)\n```\n"
     )
-    blocks, _ = parse_page(page)
+    blocks, problems = parse_page(page)
+    assert problems == []
     failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
     assert failure is not None
-    assert failure.startswith("x.md:10 (```python) failed: ticks True\n"), failure
-    assert 'File "x.md", line 13' in failure
-    assert "ValueError: boom" in failure
+    assert failure.startswith("x.md:6 (```python) failed: exit status 1:\n"), failure
+    assert f"prefix {sys.prefix}\n" in failure  # the project's environment, through uv run
+    assert 'x.md:6"' not in failure and ", line 9, in <module>" in failure
+    assert "NameError: name 'ticks' is not defined" in failure
+
+
+def test_blocks_run_in_a_clones_terminal_without_the_virtualenv_on_path(tmp_path: Path) -> None:
+    """A bare `taskrunner` is not found, as in a newcomer's terminal in a clone; `uv run taskrunner` is."""
+    page = tmp_path / "x.md"
+    page.write_text("```sh\nuv run taskrunner --version\n```\n```sh\nwhich taskrunner\n```\n")
+    blocks, _ = parse_page(page)
+    failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
+    assert failure is not None and failure.startswith("x.md:4 (```sh) failed: exit status 1:"), failure
 
 
 def test_background_blocks_wait_until_ready_and_stop_at_the_end(tmp_path: Path) -> None:
@@ -473,3 +451,43 @@ def test_npx_runs_the_pinned_mongosh_only_with_yes(tmp_path: Path, monkeypatch: 
     failure = run_page(blocks, tmp_path / "run", "mongodb://127.0.0.1:9")
     assert failure is not None
     assert failure.startswith("x.md:4 (```sh) failed: exit status 1:\nnpm error canceled"), failure
+
+
+# -- the README's path for a newcomer -----------------------------------------------------------
+
+
+def test_readme_publishes_with_the_app_so_params_are_checked() -> None:
+    """The README's first `publish` runs with the example app (TASKRUNNER_APP), and the refusal it
+    shows for a missing field is what the command prints, exit 1, before touching any server."""
+    blocks = [b for b in PARSED["README.md"][0] if b.runs and b.lang in SHELLS]
+    before = "\n".join(b.code for b in blocks).split("taskrunner publish", 1)[0]
+    app = re.findall(r"^export TASKRUNNER_APP=(\S+)$", before, re.M)
+    assert app == ["examples.app:runner"], "README's publish runs without the app: params go unchecked"
+    sample = next(b for b in PARSED["README.md"][0] if b.lang == "text" and b.code.startswith("error:"))
+    env = {**os.environ, "TASKRUNNER_APP": app[0], "TASKRUNNER_MONGO_URI": "mongodb://127.0.0.1:9"}
+    refused = subprocess.run(
+        [sys.executable, "-m", "taskrunner", "publish", "resize", "--params", '{"image": "a.png"}'],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 1 and refused.stderr.startswith(sample.code.strip()), refused.stderr
+
+
+def test_readme_lists_the_pages_in_the_sites_order() -> None:
+    """README's documentation list follows mkdocs.yml's nav (publishing first), every docs page once."""
+    readme = (ROOT / "README.md").read_text().split("## Documentation", 1)[1]
+    listed = re.findall(r"^- \[docs/([\w-]+\.md)\]", readme, re.M)
+    nav = re.findall(r"^  - [^:]+: ([\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert listed == [page for page in nav if page != "index.md"]
+
+
+def test_readme_stops_the_server_after_the_last_block_that_needs_it() -> None:
+    """The README says to stop the dev server only after its last block that uses it (the Python script)."""
+    text = (ROOT / "README.md").read_text()
+    stop = text.index("stop the worker and the server with Ctrl+C")
+    last_script = max(b.line for b in PARSED["README.md"][0] if b.runs and b.lang == "python")
+    assert stop > len("\n".join(text.splitlines()[:last_script]))

@@ -616,7 +616,7 @@ def test_every_command_fails_fast_when_the_server_is_unreachable() -> None:
         (["init", "--retain-finished", "forever"], "'--retain-finished'"),
         (["init", "--retain-finished", "0.5s"], "at least 1s"),
         (["wait", "k", "--within", "later"], "'--within'"),
-        (["cancel"], "Missing argument 'key'"),
+        (["cancel"], "Missing argument 'KEY'"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(args: list[str], named: str) -> None:

@@ -201,3 +201,21 @@ async def test_a_hand_edited_schedule_document_is_skipped_not_fatal() -> None:
     assert await scheduler.tick() > 0
     [problem] = (await store.schedules()).values()
     assert isinstance(problem, str) and "every" in problem
+
+
+async def test_a_paused_schedule_shows_no_next_fire_times() -> None:
+    """`taskrunner schedules` (and the overview behind it) lists no fire times for a paused schedule: none fires."""
+    from taskrunner.cli import render
+
+    runner = app()
+    runner.schedule("report", every=60, params={"day": 1})
+    runner = runner.copy(store=MemoryStore(clock=lambda: T0))
+    for schedule in runner.schedules.values():
+        await runner.store.declare_schedule(schedule, schedule.recurrence.after(T0))
+    [active] = await runner.schedule_overview()
+    assert len(active.next_at) == 3
+    await runner.pause_schedule("report")
+    [paused] = await runner.schedule_overview()
+    assert paused.next_at == []
+    cells = render._schedule_cells(paused)
+    assert (cells[3], cells[5]) == ("-", "paused, orphaned")

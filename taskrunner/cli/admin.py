@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from taskrunner import fields as f
-from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail, seconds
-from taskrunner.preflight import ServerCheck
-from taskrunner.runner import TaskRunner
+
+if TYPE_CHECKING:
+    from taskrunner.preflight import ServerCheck
+    from taskrunner.runner import TaskRunner
 
 
 def _retention(text: str) -> float:
@@ -49,6 +50,8 @@ def init(
     connection: Connection,
 ) -> None:
     """Create the task collection's indexes (idempotent); optionally the validator and retention."""
+    from taskrunner.cli import render
+
     runner, checked = call(
         connection, lambda runner: _init(runner, validator, retain_finished, retain_failed)
     )
@@ -91,6 +94,8 @@ def stats_command(
     connection: Connection,
 ) -> None:
     """Task counts by name and state, the oldest pending task's age, the last hour's runs."""
+    from taskrunner.cli import render
+
     numbers = call(connection, lambda runner: runner.stats())
     if as_json:
         rate = numbers.failure_rate_last_hour
@@ -110,6 +115,8 @@ def workers_command(
     connection: Connection,
 ) -> None:
     """Live workers from the registry (a dead worker disappears 5 beats after its last one)."""
+    from taskrunner.cli import render
+
     infos = call(connection, lambda runner: runner.workers())
     if as_json:
         for info in infos:
@@ -123,7 +130,7 @@ def workers_command(
 @command(app, "stop-worker")
 @connected()
 def stop_worker(
-    worker_id: Annotated[str, typer.Argument(help="Worker id (see `taskrunner workers`).")],
+    worker_id: Annotated[str, typer.Argument(metavar="ID", help="Worker id (see `taskrunner workers`).")],
     *,
     connection: Connection,
 ) -> None:

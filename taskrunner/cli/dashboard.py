@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Annotated
 
@@ -29,6 +28,8 @@ def dashboard(
     app_ref: AppRef = None,
 ) -> None:
     """Serve a live web view of tasks, workers, schedules and limits until Ctrl-C."""
+    import asyncio
+
     try:
         from taskrunner.dashboard import serve_dashboard
     except ImportError as exc:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from typing import Annotated
 
 import typer
 
-from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import fail
-from taskrunner.cli.signals import Signalled, cancelled_by_signal
 from taskrunner.errors import TaskRunnerError
 
 
@@ -21,6 +17,10 @@ def dev_server(
     port: Annotated[int, typer.Option(envvar="TASKRUNNER_DEV_PORT", help="Port to listen on.")] = 27017,
 ) -> None:
     """Serve an embedded MongoDB-compatible server (mongoeco) until SIGINT/SIGTERM."""
+    import asyncio
+
+    from taskrunner.cli import render
+    from taskrunner.cli.signals import Signalled, cancelled_by_signal
     from taskrunner.dev.server import serve
 
     def ready(uri: str) -> None:
@@ -40,6 +40,11 @@ def demo(
     workers: Annotated[int, typer.Option(min=2, help="Worker processes to start (one is killed).")] = 3,
 ) -> None:
     """Run everything locally: embedded server, workers, sample tasks, a killed worker's takeover."""
+    import asyncio
+    import signal
+
+    from taskrunner.cli import render
+    from taskrunner.cli.signals import Signalled, cancelled_by_signal
     from taskrunner.dev.demo import run_demo
 
     at_once = "exiting at once; the demo's workers may outlive it"

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail
-from taskrunner.gates import Limit
-from taskrunner.limits import ALL, LimitState
-from taskrunner.runner import TaskRunner
 
-Name = Annotated[str | None, typer.Argument(help="Task name.")]
+if TYPE_CHECKING:
+    from taskrunner.gates import Limit
+    from taskrunner.limits import LimitState
+    from taskrunner.runner import TaskRunner
+
+Name = Annotated[str | None, typer.Argument(metavar="NAME", help="Task name.")]
 
 
 def _pause_target(name: str | None, every: bool) -> str:
+    from taskrunner.limits import ALL
+
     if name is None and every:
         return ALL
     if name is None or every:
@@ -42,6 +45,8 @@ def pause_command(
     connection: Connection,
 ) -> None:
     """Stop workers claiming tasks of NAME (or of every name) within a second; running tasks finish, publishing goes on."""
+    from taskrunner.limits import ALL
+
     target = _pause_target(name, every)
     call(connection, lambda runner: runner.pause(target, force=force))
     print("paused: every task name" if target == ALL else f"paused: {target}")
@@ -56,6 +61,9 @@ def resume_command(
     connection: Connection,
 ) -> None:
     """Let workers claim NAME again (--all: lift every pause, of any name and the global one)."""
+    from taskrunner.cli import render
+    from taskrunner.limits import ALL
+
     target = _pause_target(name, every)
 
     async def resume(runner: TaskRunner) -> list[str]:
@@ -71,7 +79,7 @@ def resume_command(
 @command(app, "limit")
 @connected()
 def limit_command(
-    name: Annotated[str, typer.Argument(help="Task name.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Task name.")],
     rate: Annotated[
         str | None,
         typer.Option(

@@ -2,41 +2,56 @@
 
 Every error ends in ``fail()``: one line on stderr naming the problem, exit code 1
 (typer reports bad arguments with exit code 2; ``wait`` exits 3 when --within passes).
+
+Command modules import at module level only what ``--help`` needs (typer and the option
+types); the engine, pydantic, pymongo and rich are imported inside the commands that use
+them, so every command starts at the cost of the libraries it needs (bench/cli_startup.py,
+tests/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
 from taskrunner import fields as f
-from taskrunner.cli.render import stderr
 from taskrunner.errors import NoLiveWorkerWarning, TaskRunnerError
-from taskrunner.models import parse_duration
-from taskrunner.redact import redact
-from taskrunner.runner import DEFAULT_URI, TaskRunner
+
+if TYPE_CHECKING:
+    from taskrunner.runner import TaskRunner
 
 T = TypeVar("T")
 
 AppRef = Annotated[
-    str | None, typer.Option("--app", envvar="TASKRUNNER_APP", help="MODULE:OBJECT of a TaskRunner.")
+    str | None,
+    typer.Option(
+        "--app",
+        envvar="TASKRUNNER_APP",
+        metavar="MODULE:OBJECT",
+        help="Your TaskRunner (the current directory first on sys.path): its handlers' models check "
+        "params, and its connection settings apply where no option gives them.",
+    ),
 ]
 
 
 def fail(message: str) -> NoReturn:
+    from taskrunner.cli.render import stderr
+    from taskrunner.redact import redact
+
     stderr().print(f"error: {redact(message)}", markup=False)
     raise typer.Exit(1)
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion; a TaskRunnerError becomes ``fail``."""
+    import asyncio
+
     try:
         return asyncio.run(coro)
     except TaskRunnerError as exc:
@@ -54,6 +69,8 @@ class Connection:
 
     def runner(self, app_ref: str | None = None) -> TaskRunner:
         """The app's runner (its handlers and connection) or a bare one; options given win."""
+        from taskrunner.runner import TaskRunner
+
         if app_ref is None:
             return TaskRunner(
                 self.mongo_uri,
@@ -94,6 +111,8 @@ def call(
 
 
 def _show(caught: list[warnings.WarningMessage]) -> None:
+    from taskrunner.cli.render import stderr
+
     for warning in caught:
         if issubclass(warning.category, NoLiveWorkerWarning):
             stderr().print(f"warning: {warning.message}", markup=False)
@@ -108,18 +127,48 @@ def _show(caught: list[warnings.WarningMessage]) -> None:
             )
 
 
+CONNECTION = "Connection (or TASKRUNNER_* variables)"
 MongoUri = Annotated[
     str | None,
-    typer.Option("--mongo-uri", envvar="TASKRUNNER_MONGO_URI", help=f"MongoDB URI (default {DEFAULT_URI})."),
+    typer.Option(
+        "--mongo-uri",
+        envvar="TASKRUNNER_MONGO_URI",
+        metavar="URI",
+        rich_help_panel=CONNECTION,
+        help=f"MongoDB URI (default {f.DEFAULT_URI}).",
+    ),
 ]
 Database = Annotated[
-    str | None, typer.Option(envvar="TASKRUNNER_DATABASE", help=f"Database (default {f.DEFAULT_DATABASE}).")
+    str | None,
+    typer.Option(
+        envvar="TASKRUNNER_DATABASE",
+        metavar="NAME",
+        rich_help_panel=CONNECTION,
+        help=f"Database (default {f.DEFAULT_DATABASE}).",
+    ),
 ]
 Collection = Annotated[
     str | None,
-    typer.Option(envvar="TASKRUNNER_COLLECTION", help=f"Task collection (default {f.DEFAULT_COLLECTION})."),
+    typer.Option(
+        envvar="TASKRUNNER_COLLECTION",
+        metavar="NAME",
+        rich_help_panel=CONNECTION,
+        help=f"Task collection (default {f.DEFAULT_COLLECTION}).",
+    ),
 ]
-Timeout = Annotated[float, typer.Option(envvar="TASKRUNNER_TIMEOUT", help="Seconds to wait for the server.")]
+
+
+def _timeout_option(default: float) -> Any:
+    return Annotated[
+        float,
+        typer.Option(
+            envvar="TASKRUNNER_TIMEOUT",
+            parser=seconds,
+            metavar="DURATION",
+            rich_help_panel=CONNECTION,
+            help="How long to wait for the MongoDB server to answer; not a task's time limit.",
+        ),
+    ]
 
 
 def _connection_parameters(timeout: float) -> list[inspect.Parameter]:
@@ -128,7 +177,7 @@ def _connection_parameters(timeout: float) -> list[inspect.Parameter]:
         "mongo_uri": (MongoUri, None),
         "database": (Database, None),
         "collection": (Collection, None),
-        "timeout": (Timeout, timeout),
+        "timeout": (_timeout_option(timeout), timeout),
     }
     keyword = inspect.Parameter.KEYWORD_ONLY
     return [
@@ -162,8 +211,15 @@ def connected(timeout: float = 5.0) -> Callable[[Callable[..., T]], Callable[...
     return decorate
 
 
-def seconds(text: str) -> float:
-    """A duration option ('90', '30s', '15m', '12h', '7d', '2w') in seconds."""
+def seconds(text: str | float) -> float:
+    """A duration option ('90', '1.5', '30s', '15m', '12h', '7d', '2w') in seconds.
+
+    click passes a default through the option's parser too: a number is already seconds.
+    """
+    if isinstance(text, int | float):
+        return float(text)
+    from taskrunner.models import parse_duration
+
     try:
         return parse_duration(text)
     except ValueError as exc:

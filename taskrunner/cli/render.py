@@ -2,16 +2,18 @@
 
 A table cell folds onto more lines in a narrow terminal; when stdout is not a terminal
 (a pipe, a file) tables are as wide as their content, so ``grep`` and ``less -S`` see
-whole values. JSON goes to stdout with ``print``: valid whatever the width.
+whole values, and no line ends in the spaces rich pads a grid's cells with. JSON goes to
+stdout with ``print``: valid whatever the width.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO, cast
 from zoneinfo import ZoneInfo
 
 from rich.console import Console
@@ -28,7 +30,31 @@ PIPED_WIDTH = 10_000  # no line limit: rich needs a number
 
 def stdout() -> Console:
     """A console measured now: a process may run several commands with different widths."""
-    return Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+    if sys.stdout.isatty():
+        return Console(highlight=False, emoji=False)
+    trimmed = cast("TextIO", TrimmedLines(sys.stdout))  # a TextIOBase, which typeshed's IO[str] is not
+    return Console(file=trimmed, highlight=False, emoji=False, width=PIPED_WIDTH)
+
+
+class TrimmedLines(io.TextIOBase):
+    """Output to a pipe: each line without trailing spaces (a grid pads every line to its widest)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        self._out.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        self._out.write(self._partial)  # a line rich left open: kept as written
+        self._partial = ""
+        self._out.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def stderr() -> Console:
@@ -287,7 +313,7 @@ def _schedule_cells(view: ScheduleView) -> tuple[str, ...]:
         return (view.id, "-", "-", "-", "-", ", ".join([*status, f"unreadable: {view.problem}"]))
     s = view.schedule
     zone = ZoneInfo(s.timezone)
-    times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at)
+    times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at) or "-"
     last = f"{s.last_key} ({view.last_task.state.value if view.last_task else 'gone'})" if s.last_key else "-"
     status = ["paused" if s.paused else "active", *status]
     return (s.id, s.name, f"{s.recurrence.expression} ({s.timezone})", times, last, ", ".join(status))

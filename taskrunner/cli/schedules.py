@@ -7,21 +7,23 @@ The group takes the connection options before its subcommand
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from taskrunner.cli import render
 from taskrunner.cli.app import app, command, typer_app
 from taskrunner.cli.options import Connection, call, connected
-from taskrunner.runner import TaskRunner
+
+if TYPE_CHECKING:
+    from taskrunner.runner import TaskRunner
 
 T = TypeVar("T")
 NO_SCHEDULES = "no schedules (workers store their app's at start)"
 ScheduleId = Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
 
 schedules_app = typer_app(
-    help="Recurring schedules: list, pause, resume, trigger.", invoke_without_command=True
+    help="Recurring schedules: without a command, list the stored ones; or pause, resume, trigger one.",
+    invoke_without_command=True,
 )
 app.add_typer(schedules_app, name="schedules")
 
@@ -38,6 +40,8 @@ def schedules_command(
     context.obj = connection
     if context.invoked_subcommand is not None:
         return
+    from taskrunner.cli import render
+
     views = call(connection, lambda runner: runner.schedule_overview())
     if as_json:
         for view in views:

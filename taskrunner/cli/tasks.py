@@ -7,19 +7,35 @@ import json
 import shlex
 import warnings
 from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from taskrunner.cli import render
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import AppRef, Connection, call, connected, fail, seconds
 from taskrunner.errors import NoLiveWorkerWarning, WaitTimeout
-from taskrunner.models import Task, TaskState
-from taskrunner.runner import TaskRunner
 
-Key = Annotated[str, typer.Argument(help="Task key.")]
+if TYPE_CHECKING:
+    from taskrunner.models import Task
+    from taskrunner.runner import TaskRunner
+
+Key = Annotated[str, typer.Argument(metavar="KEY", help="Task key.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the task as JSON.")]
+
+
+def _duration(help_text: str) -> Any:
+    """An option taking a duration (90, 1.5s, 30m, 2h, 7d), in seconds."""
+    return typer.Option(parser=seconds, metavar="DURATION", help=help_text)
+
+
+class StateChoice(enum.StrEnum):
+    """``TaskState``'s values, without importing the models for ``--help``."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAIL = "FAIL"
+    CANCELED = "CANCELED"
 
 
 class FinishedState(enum.StrEnum):
@@ -38,25 +54,38 @@ def _parse_params(text: str) -> Any:
 @command(app)
 @connected()
 def publish(
-    name: Annotated[str, typer.Argument(help="Handler name.")],
-    params: Annotated[str | None, typer.Option(help="Params as a JSON object (default {}).")] = None,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Handler name.")],
+    params: Annotated[
+        str | None,
+        typer.Option(
+            metavar="JSON",
+            help="Params as a JSON object (default {}); checked against the handler's model with --app.",
+        ),
+    ] = None,
     key: Annotated[str | None, typer.Option(help="Idempotency key (generated if absent).")] = None,
     priority: Annotated[int | None, typer.Option(help="Higher runs first (default 0).")] = None,
-    delay: Annotated[float | None, typer.Option(help="Seconds to wait before the task may start.")] = None,
+    delay: Annotated[
+        float | None, _duration("Wait this long (server time) before the task may start.")
+    ] = None,
     run_at: Annotated[
-        datetime | None, typer.Option(help="Not before this time (ISO 8601, UTC if naive).")
+        datetime | None, typer.Option(metavar="ISO8601", help="Not before this time (UTC if naive).")
     ] = None,
     concurrency: Annotated[int | None, typer.Option(help="Distinct workers that must succeed.")] = None,
     max_failures: Annotated[int | None, typer.Option(help="Failed runs before the task is FAIL.")] = None,
     local_retries: Annotated[int | None, typer.Option(help="In-process retries per run.")] = None,
-    retry_backoff: Annotated[float | None, typer.Option(help="Seconds before a retry.")] = None,
-    ping_interval: Annotated[float | None, typer.Option(help="Seconds between heartbeats.")] = None,
+    retry_backoff: Annotated[float | None, _duration("Delay before a retry.")] = None,
+    ping_interval: Annotated[float | None, _duration("Time between a run's heartbeats.")] = None,
     ping_timeout: Annotated[
-        float | None, typer.Option(help="Seconds without heartbeat before takeover.")
+        float | None, _duration("Time without a heartbeat before another worker takes over.")
     ] = None,
-    worker_id: Annotated[list[str] | None, typer.Option(help="Allowed worker (repeatable).")] = None,
+    worker_id: Annotated[
+        list[str] | None, typer.Option(metavar="ID", help="Only this worker may run it (repeatable).")
+    ] = None,
     run_timeout: Annotated[
-        float | None, typer.Option(help="Seconds each handler call may take (task option timeout).")
+        float | None,
+        _duration(
+            "How long each handler call may run before it fails (the task option timeout; --timeout is the server's)."
+        ),
     ] = None,
     update_pending: Annotated[
         bool, typer.Option(help="Update a task no worker has started: only the options given here.")
@@ -75,7 +104,9 @@ def publish(
     *,
     connection: Connection,
 ) -> None:
-    """Publish a task and print its key."""
+    """Publish a task and print its key (with --app or TASKRUNNER_APP, its params are validated first)."""
+    from taskrunner.cli import render
+
     options = {
         "concurrency": concurrency,
         "max_failures": max_failures,
@@ -117,6 +148,8 @@ def publish(
 @connected()
 def show(key: Key, as_json: AsJson = False, *, connection: Connection) -> None:
     """Show one task: summary, options and every worker entry."""
+    from taskrunner.cli import render
+
     task = call(connection, lambda runner: runner.get(key))
     if as_json:
         render.print_json(task.model_dump_json(indent=2))
@@ -128,7 +161,7 @@ def show(key: Key, as_json: AsJson = False, *, connection: Connection) -> None:
 @connected()
 def list_command(
     state: Annotated[
-        TaskState | None, typer.Option(case_sensitive=False, help="Only tasks in this state.")
+        StateChoice | None, typer.Option(case_sensitive=False, help="Only tasks in this state.")
     ] = None,
     name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
     worker_id: Annotated[str | None, typer.Option("--worker", help="Only tasks this worker claimed.")] = None,
@@ -138,8 +171,13 @@ def list_command(
     connection: Connection,
 ) -> None:
     """List tasks, oldest first."""
+    from taskrunner.cli import render
+    from taskrunner.models import TaskState
+
+    wanted = None if state is None else TaskState(state.value)
     tasks = call(
-        connection, lambda runner: runner.list_tasks(state=state, name=name, worker_id=worker_id, limit=limit)
+        connection,
+        lambda runner: runner.list_tasks(state=wanted, name=name, worker_id=worker_id, limit=limit),
     )
     if as_json:
         for task in tasks:
@@ -161,6 +199,8 @@ def failed_command(
     connection: Connection,
 ) -> None:
     """Failed tasks (the dead letters), the latest failure first, with each one's error."""
+    from taskrunner.cli import render
+
     page = call(connection, lambda runner: runner.failed(name=name, limit=limit, after=after))
     if as_json:
         for task in page.tasks:
@@ -194,7 +234,12 @@ def retry(key: Key, *, connection: Connection) -> None:
 @connected()
 def purge(
     state: Annotated[
-        list[FinishedState], typer.Option(case_sensitive=False, help="Finished state to delete (repeatable).")
+        list[FinishedState],
+        typer.Option(
+            case_sensitive=False,
+            metavar="success|fail|canceled",
+            help="Finished state to delete (repeatable).",
+        ),
     ],
     older_than: Annotated[
         float,
@@ -205,6 +250,8 @@ def purge(
     connection: Connection,
 ) -> None:
     """Delete finished tasks in the given states that finished longer ago than --older-than."""
+    from taskrunner.models import TaskState
+
     states = [TaskState(s.value.upper()) for s in dict.fromkeys(state)]
     count = call(connection, lambda runner: runner.purge(states, older_than, dry_run=dry_run))
     which = "/".join(s.value for s in states)
@@ -224,6 +271,8 @@ def wait_command(
     connection: Connection,
 ) -> None:
     """Wait until a task finishes: exit 0 on SUCCESS, 1 on FAIL or CANCELED, 3 if --within passes."""
+    from taskrunner.cli import render
+    from taskrunner.models import Task, TaskState
 
     async def wait(runner: TaskRunner) -> Task | WaitTimeout:
         try:

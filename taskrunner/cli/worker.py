@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from taskrunner.cli.app import app, command
-from taskrunner.cli.options import Connection, connected, fail, run
-from taskrunner.cli.signals import stop_signals
+from taskrunner.cli.options import Connection, connected, fail, run, seconds
 from taskrunner.errors import TaskRunnerError
-from taskrunner.runner import TaskRunner
 
 if TYPE_CHECKING:
     from taskrunner.observe import WorkerObserver
     from taskrunner.roundtrips import RoundTripCounter
+    from taskrunner.runner import TaskRunner
     from taskrunner.worker import Worker
 
 
@@ -34,7 +33,13 @@ class DiscoveryChoice(enum.StrEnum):
 @connected(timeout=10.0)
 def worker(
     app_ref: Annotated[
-        str, typer.Option("--app", envvar="TASKRUNNER_APP", help="MODULE:OBJECT of a TaskRunner.")
+        str,
+        typer.Option(
+            "--app",
+            envvar="TASKRUNNER_APP",
+            metavar="MODULE:OBJECT",
+            help="Your TaskRunner, whose handlers this worker runs (the current directory first on sys.path).",
+        ),
     ],
     concurrency: Annotated[
         int, typer.Option(envvar="TASKRUNNER_CONCURRENCY", help="Handlers in flight.")
@@ -47,11 +52,21 @@ def worker(
     ] = None,
     shutdown_timeout: Annotated[
         float,
-        typer.Option(envvar="TASKRUNNER_SHUTDOWN_TIMEOUT", help="Seconds handlers may finish after SIGTERM."),
+        typer.Option(
+            envvar="TASKRUNNER_SHUTDOWN_TIMEOUT",
+            parser=seconds,
+            metavar="DURATION",
+            help="How long running handlers may finish after SIGTERM before their claims are released.",
+        ),
     ] = 0.5,
     poll_interval: Annotated[
         float,
-        typer.Option(envvar="TASKRUNNER_POLL_INTERVAL", help="Seconds between scans without change streams."),
+        typer.Option(
+            envvar="TASKRUNNER_POLL_INTERVAL",
+            parser=seconds,
+            metavar="DURATION",
+            help="Time between scans for tasks without change streams.",
+        ),
     ] = 5.0,
     discovery: Annotated[
         DiscoveryChoice,
@@ -71,7 +86,10 @@ def worker(
     beat_interval: Annotated[
         float,
         typer.Option(
-            envvar="TASKRUNNER_BEAT_INTERVAL", help="Seconds between registry beats (entry lives 5x)."
+            envvar="TASKRUNNER_BEAT_INTERVAL",
+            parser=seconds,
+            metavar="DURATION",
+            help="Time between registry beats (an entry lives 5 beats).",
         ),
     ] = 2.0,
     drain: Annotated[
@@ -83,10 +101,19 @@ def worker(
         ),
     ] = False,
     log_format: Annotated[
-        LogFormatChoice, typer.Option(envvar="TASKRUNNER_LOG_FORMAT")
+        LogFormatChoice,
+        typer.Option(
+            envvar="TASKRUNNER_LOG_FORMAT",
+            help="console: one readable line per event; json: one JSON object per line, for log stores.",
+        ),
     ] = LogFormatChoice.console,
     log_level: Annotated[
-        str, typer.Option(envvar="TASKRUNNER_LOG_LEVEL", help="debug|info|warning|error.")
+        str,
+        typer.Option(
+            envvar="TASKRUNNER_LOG_LEVEL",
+            metavar="LEVEL",
+            help="Least level logged: debug, info, warning, error.",
+        ),
     ] = "info",
     metrics_port: Annotated[
         int | None,
@@ -150,6 +177,8 @@ def _make_worker(runner: TaskRunner, observer: WorkerObserver | None, **options:
 async def _run_until_signalled(runner: TaskRunner, process: Worker) -> None:
     """Run until stopped; signals stay handled while the store closes (a duplicate of the
     stop signal, as ``uv run`` forwards one, must not interrupt the cleanup)."""
+    from taskrunner.cli.signals import stop_signals
+
     with stop_signals(
         lambda signum: _stopping(process, signum),
         at_once="exiting at once; leases expire and other workers take over",
@@ -185,10 +214,10 @@ def count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter |
 
 
 def _log_roundtrips(worker_id: str, counter: RoundTripCounter) -> None:
-    import structlog
+    from taskrunner.logs import get_logger
 
     counts = counter.snapshot()
-    structlog.get_logger("taskrunner.worker").info(
+    get_logger("taskrunner.worker").info(
         "round trips",
         worker_id=worker_id,
         total=sum(counts.values()),
@@ -200,7 +229,7 @@ def _log_roundtrips(worker_id: str, counter: RoundTripCounter) -> None:
 
 def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserver:
     """Start the Prometheus endpoint and return the observer that feeds it (docs/metrics.md)."""
-    import structlog
+    from taskrunner.logs import get_logger
 
     try:
         from taskrunner.metrics import PrometheusObserver, serve_metrics
@@ -211,7 +240,7 @@ def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserve
         server, _ = serve_metrics(port, host=host)
     except OSError as exc:
         fail(f"--metrics-port: cannot serve metrics on {host}:{port}: {exc}")
-    structlog.get_logger("taskrunner.metrics").info(
+    get_logger("taskrunner.metrics").info(
         "serving metrics", host=host, port=server.server_port, path="/metrics"
     )
     return observer

@@ -25,15 +25,14 @@ from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
-import structlog
-
 from taskrunner import fields as f
 from taskrunner.errors import ChangeStreamEnded, StoreError, StoreUnavailable
 from taskrunner.follow import StreamEnds
+from taskrunner.logs import get_logger
 from taskrunner.outage import Outage
 from taskrunner.store.base import ChangeEvent, Listing, Store
 
-log = structlog.get_logger("taskrunner.dashboard")
+log = get_logger("taskrunner.dashboard")
 QUEUE_SIZE = 100
 POLL_SECONDS = 1.0
 KEYS_KEPT = 100_000  # _id -> key entries remembered; the oldest are forgotten first

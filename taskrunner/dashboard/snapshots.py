@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import structlog
+from taskrunner.logs import get_logger
 
 FRESH_SECONDS = 1.0
 MAX_AGE = 5.0
@@ -41,7 +41,7 @@ EXPIRES_IN = "expires_in"
 EXPIRY_MARGIN = 0.05  # read a little after the end: the server must see it over
 
 Read = Callable[[], Awaitable[dict[str, Any]]]
-log = structlog.get_logger("taskrunner.dashboard")
+log = get_logger("taskrunner.dashboard")
 
 
 @dataclass(frozen=True)
