@@ -527,18 +527,23 @@ class TaskRunner:
         ``options`` configures it (``WorkerOptions``); ``fields`` override single options,
         as in ``run_worker(concurrency=4)``; ``observer`` receives its events (metrics).
         Cancellation shuts down gracefully: running handlers get ``shutdown_timeout``
-        seconds, then are cancelled and their claims released.
+        seconds, then are cancelled and their claims released. Under ``asyncio.run``,
+        Ctrl-C is that cancellation; SIGINTs within a second of the first (``uv run``
+        forwards the terminal's) are the same request, not a ``KeyboardInterrupt`` in the
+        middle of giving claims back.
         """
+        from taskrunner.interrupts import sigint_once
         from taskrunner.worker import Worker
 
         worker = Worker(self, options, observer=observer, **fields)
         runner = asyncio.create_task(worker.run())
-        try:
-            await asyncio.shield(runner)
-        except asyncio.CancelledError:
-            worker.stop()
-            await runner
-            raise
+        with sigint_once():  # under asyncio.run, one Ctrl-C that arrives twice is one stop
+            try:
+                await asyncio.shield(runner)
+            except asyncio.CancelledError:
+                worker.stop()
+                await runner
+                raise
 
     def sync(self) -> SyncTaskRunner:
         """A blocking facade with the same semantics, for non-async code."""

@@ -105,3 +105,51 @@ async def test_two_quick_signals_to_the_group_are_one_graceful_stop(
         await wait_for(lambda: worker.find("waiting for running tasks"), 30, "the stop", interval=0.01)
         os.killpg(worker.pid, signal.SIGINT)
         await _stopped_gracefully(runner, worker, "two-sigints")
+
+
+_RUN_WORKER_SCRIPT = """
+import asyncio
+
+from taskrunner import MemoryStore, TaskContext, TaskRunner
+
+runner = TaskRunner(store=MemoryStore())
+
+
+@runner.task("sleep")
+async def sleep(params: dict[str, object], ctx: TaskContext) -> None:
+    print("handler running", flush=True)
+    await asyncio.sleep(120)
+
+
+async def main() -> None:
+    await runner.publish("sleep", {}, key="k")
+    try:
+        await runner.run_worker(shutdown_timeout=1)
+    finally:
+        task = await runner.get("k")
+        print("after stop:", task.state.value, task.failures, len(task.workers), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(UV is None, reason="uv is not on PATH")
+async def test_ctrl_c_on_a_script_running_run_worker_under_uv_releases_claims(tmp_path: Path) -> None:
+    """`uv run python app.py` whose `asyncio.run(main())` awaits `runner.run_worker()`, SIGINT
+    to its group: uv's forward of the same Ctrl-C does not raise KeyboardInterrupt inside
+    the graceful stop, which gives the claim back (PENDING, no failure, no entry)."""
+    assert UV is not None
+    script = tmp_path / "app.py"
+    script.write_text(_RUN_WORKER_SCRIPT)
+    command = [UV, "run", "--no-sync", "python", str(script)]
+    with session_leader("script", command, dict(os.environ), tmp_path) as process:
+
+        def printed(text: str) -> list[str]:
+            return [line for line in process.lines() if text in line]
+
+        await wait_for(lambda: printed("handler running"), 60, "the handler to run")
+        os.killpg(process.pid, signal.SIGINT)
+        await wait_for(lambda: printed("after stop:"), 30, "run_worker to return")
+        await wait_exit(process, 30)  # KeyboardInterrupt, as asyncio.run ends after a Ctrl-C
+        assert printed("after stop: PENDING 0 0") and printed("claim released"), process.tail(30)

@@ -5,13 +5,10 @@ The worker, ``dev-server`` and ``demo`` all use it: a worker stops claiming and 
 its runs, the server and the demo clean up; a second signal (an impatient Ctrl-C) ends
 the process on the spot.
 
-One request to stop often arrives as several signals within milliseconds: a terminal's
-Ctrl-C reaches the whole foreground process group, ``uv run`` forwards SIGTERM to its
-child at once and SIGINT 200 ms later (when not attached to a terminal, or on a second
-Ctrl-C), systemd signals every process of the unit. So signals within ``REPEAT_AFTER``
-of the first are that same request; only a later one is a person asking again (taking
-any second signal as "stop now" would kill a worker started by ``uv run`` before it
-gives its claims back).
+One request to stop often arrives as several signals within milliseconds
+(``taskrunner.interrupts``): signals within ``REPEAT_AFTER`` of the first are that same
+request; only a later one is a person asking again (taking any second signal as "stop
+now" would kill a worker started by ``uv run`` before it gives its claims back).
 """
 
 from __future__ import annotations
@@ -25,13 +22,10 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from taskrunner.cli.render import stderr
+from taskrunner.interrupts import REPEAT_AFTER
 
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-REPEAT_AFTER = 1.0
-"""Seconds after the first signal before another one means "exit at once": five times
-uv's 200 ms forwarding delay, and less than a person takes to see that the first did not
-stop the process yet and press Ctrl-C again."""
 
 
 class Signalled(Exception):

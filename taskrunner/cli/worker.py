@@ -134,7 +134,7 @@ def worker(
     *,
     connection: Connection,
 ) -> None:
-    """Run tasks: claim, heartbeat and finish them until SIGTERM/SIGINT (twice: exit at once)."""
+    """Run tasks: claim, heartbeat and finish them until SIGTERM/SIGINT (another one a second later or more: exit at once)."""
     from taskrunner.logs import configure_logging
 
     try:
