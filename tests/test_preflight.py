@@ -350,8 +350,8 @@ async def test_a_worker_on_a_standalone_warns_once_and_polls_from_the_start() ->
     store = Reporting(server(hello={"isWritablePrimary": True}))
     runner, done = job_runner(store)
     await runner.publish("job", key="a")
-    worker = Worker(runner, worker_id="w", poll_interval=0.2)
-    with capture_logs() as logs:
+    with capture_logs() as logs:  # before the worker binds its logger, which keeps the processors of then
+        worker = Worker(runner, worker_id="w", poll_interval=0.2)
         await run_until_done(worker, done)
     warnings = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert warnings == [
