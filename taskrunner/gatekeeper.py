@@ -64,6 +64,10 @@ queues such tasks again without a gate as it applies the change)."""
 FALLBACK = 1.0
 """Most seconds a task waiting for a running slot of this worker waits: a slot that
 frees wakes it at once (``opened``); this only bounds a wake that went missing."""
+UNREAD = 0.25
+"""Seconds a worker holds a gate back past its own estimate of the end of a throttle it
+stored and has not read back yet: the estimate of the server's clock at the write may
+lag the server's by up to half a round trip, and the read normally comes within that."""
 MAX_BACKOFF = 4.0
 """Most seconds between asks of a worker that keeps getting nothing from a gate."""
 ASK_AGAIN = 1.0
@@ -108,7 +112,7 @@ class GateKeeper:
         self._docs: dict[str, GateDoc] = {}  # the last reply per gate (a write's first guess)
         self._names: dict[str, str] = {}  # gate -> task name
         self._dealt: dict[tuple[str, str, tuple[str, ...]], tuple[frozenset[int], frozenset[int]]] = {}
-        self._throttles: dict[str, float] = {}  # gates this worker throttled, until when
+        self._throttles: dict[str, float] = {}  # gates this worker throttled: its estimate of the end
         self._problems: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self.counts: Counter[str] = Counter()
@@ -163,11 +167,7 @@ class GateKeeper:
         """Whether a permit of ``gate`` could start a task now (no round trip)."""
         lease, limit = self._leases.get(gate), self.limits.get(self.name_of(gate))
         now = self.now()
-        if (
-            lease is None
-            or not limit
-            or max(self.throttled(gate) or 0.0, self._throttles.get(gate, 0.0)) > now
-        ):
+        if lease is None or not limit or (self._throttled_until(gate) or 0.0) > now:
             return False
         return lease.open(limit, _utc(now))
 
@@ -213,7 +213,7 @@ class GateKeeper:
         limit, lease = self.limits.get(name), self._leases.setdefault(gate, Lease())
         self._names[gate] = name
         lease.wanted = now
-        throttled = max(self.throttled(gate) or 0.0, self._throttles.get(gate, 0.0)) or None
+        throttled = self._throttled_until(gate)
         if not limit:  # lifted: the worker queues the name's tasks again without a gate
             later.extend((entry, now + LIFTED) for entry in entries)
             return
@@ -333,10 +333,22 @@ class GateKeeper:
     async def throttle(self, gate: str, name: str, seconds: float) -> None:
         """``RateLimited`` for a ``limit_by`` value: no worker starts a task of ``gate`` for
         ``seconds`` (the name's limits document lists it; this worker stops at once)."""
-        # The stored end is the server's now plus ``seconds``; this worker's estimate of
-        # that now may lag a little, so it holds back a little longer until it reads it.
-        self._throttles[gate] = self.now() + seconds + 0.25
+        self._throttles[gate] = self.now() + seconds
         await self.store.throttle(name, seconds, gate=gate)
+
+    def _throttled_until(self, gate: str) -> float | None:
+        """Until when ``gate`` is held back (server time): the stored end once this worker
+        has read it; until then, for a throttle of its own, its estimate of that end
+        (the server's now at the write plus the seconds) with ``UNREAD`` to spare."""
+        stored, mine = self.throttled(gate), self._throttles.get(gate)
+        if mine is None:
+            return stored
+        if stored is not None and stored >= mine - UNREAD:  # its own throttle, read back (or a later one)
+            del self._throttles[gate]
+            return stored
+        if mine + UNREAD <= self.now():
+            del self._throttles[gate]  # over, whether read back or not
+        return max(stored or 0.0, mine + UNREAD)
 
     # -- the gate documents ----------------------------------------------------------------------
     async def _ask(self, gate: str, name: str, lease: Lease, limit: Limit, waiting: int) -> None:
