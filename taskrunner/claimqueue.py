@@ -6,6 +6,11 @@ come move to a second heap ordered by preference, so the best due tasks are foun
 without sorting the queue. Keys whose time comes while the worker is busy stay
 until claimed or re-scheduled;
 when the queue overflows it evicts the farthest and asks discovery to rescan.
+
+An entry of a limited name that waits for one of its gate's permits is *parked*: put
+back for a time (when a lane opens, or a fallback) and kept among its gate's parked
+entries by preference, so that the moment a permit opens sooner (a running slot freed,
+a claim that took nothing) ``wake`` brings the best of them back at once.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ class Due:
     at: float
     """Server-clock POSIX time the key becomes claimable."""
     rank: Rank
-    """(0 if the task names this worker else 1, -priority, 0 if it is a takeover else 1,
-    created_at): lower first. A takeover (an expired lease) goes before new tasks of its
+    """(0 if the task names this worker, 1 if this worker owns it, 2 if another worker
+    does and this one takes it on with its own permits of the task's gate; -priority, 0 if
+    it is a takeover else 1, created_at): lower first. A takeover (an expired lease) goes before new tasks of its
     priority, as a stalled job does in BullMQ: its run was already under way, and a batch
     published together shares one created_at, so it would otherwise wait for the batch."""
     key: str
@@ -33,6 +39,9 @@ class Due:
     """The task's name (flow control drops the entries of a paused name)."""
     gate: str = ""
     """The task's gate when its name has fleet-wide limits (``taskrunner.gates``), else ""."""
+    since: float = 0.0
+    """When the task became claimable for this worker (server time): ``at`` is later
+    once the entry was put back to look again."""
 
 
 class ClaimQueue:
@@ -43,6 +52,8 @@ class ClaimQueue:
         self._live: dict[str, Due] = {}
         self._heap: list[Due] = []  # by time
         self._ready: list[tuple[Rank, float, str, Due]] = []  # due entries, by preference
+        self._gates: dict[str, set[str]] = {}  # gate -> its live keys
+        self._parked: dict[str, list[tuple[Rank, str, Due]]] = {}  # gate -> parked entries, by preference
 
     def __len__(self) -> int:
         return len(self._live)
@@ -51,12 +62,24 @@ class ClaimQueue:
         return key in self._live
 
     def put(
-        self, key: str, at: float, rank: Rank, *, fresh: bool = False, name: str = "", gate: str = ""
+        self,
+        key: str,
+        at: float,
+        rank: Rank,
+        *,
+        fresh: bool = False,
+        name: str = "",
+        gate: str = "",
+        since: float | None = None,
     ) -> None:
-        entry = Due(at, rank, key, fresh, name, gate)
-        if self._live.get(key) == entry:
+        entry = Due(at, rank, key, fresh, name, gate, at if since is None else since)
+        old = self._live.get(key)
+        if old == entry:
             return
+        if old is not None:
+            self._unindex(old)
         self._live[key] = entry
+        self._index(entry)
         heapq.heappush(self._heap, entry)
         if len(self._live) > self.capacity:
             self._evict()
@@ -66,19 +89,70 @@ class ClaimQueue:
 
     def again(self, entry: Due, at: float) -> None:
         """Put ``entry`` back for ``at`` (server time), all else as it was."""
-        self.put(entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate)
+        self.put(
+            entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate, since=entry.since
+        )
+
+    def park(self, entry: Due, until: float) -> None:
+        """Put ``entry`` back for ``until`` among its gate's parked entries (see ``wake``)."""
+        self.again(entry, until)
+        parked = self._live.get(entry.key)
+        if parked is None or not parked.gate:  # evicted, or no gate to wake it
+            return
+        heap = self._parked.setdefault(parked.gate, [])
+        heapq.heappush(heap, (parked.rank, parked.key, parked))
+        if len(heap) > 2 * len(self._gates.get(parked.gate, ())) + 64:
+            self._parked[parked.gate] = [item for item in heap if self._live.get(item[1]) == item[2]]
+            heapq.heapify(self._parked[parked.gate])
+
+    def wake(self, gate: str, count: int, now: float) -> int:
+        """Make the best ``count`` entries of ``gate`` still parked due at ``now`` (server
+        time): a permit of the gate opened sooner than they were told. Returns how many."""
+        heap, woken = self._parked.get(gate, []), 0
+        while heap and woken < count:
+            _, key, entry = heapq.heappop(heap)
+            if self._live.get(key) == entry and entry.at > now:  # still parked as it was
+                self.again(entry, now)
+                woken += 1
+        if not heap:
+            self._parked.pop(gate, None)
+        return woken
+
+    def count(self, gate: str) -> int:
+        """How many entries of ``gate`` are queued."""
+        return len(self._gates.get(gate, ()))
+
+    def gates(self) -> dict[str, list[Due]]:
+        """The entries queued per gate."""
+        return {gate: [self._live[key] for key in keys] for gate, keys in self._gates.items()}
+
+    def get(self, key: str) -> Due | None:
+        return self._live.get(key)
 
     def discard(self, key: str) -> None:
-        if self._live.pop(key, None) is not None:
+        if (entry := self._live.pop(key, None)) is not None:
+            self._unindex(entry)
             self.changed.set()
 
     def drop_names(self, names: frozenset[str]) -> None:
         """Forget every entry of these task names (they are paused)."""
         gone = [key for key, entry in self._live.items() if entry.name in names]
         for key in gone:
-            del self._live[key]
+            self._unindex(self._live.pop(key))
         if gone:
             self.changed.set()
+
+    def _index(self, entry: Due) -> None:
+        if entry.gate:
+            self._gates.setdefault(entry.gate, set()).add(entry.key)
+
+    def _unindex(self, entry: Due) -> None:
+        keys = self._gates.get(entry.gate)
+        if keys is not None:
+            keys.discard(entry.key)
+            if not keys:
+                del self._gates[entry.gate]
+                self._parked.pop(entry.gate, None)
 
     def next_at(self) -> float | None:
         """When the next entry is due; a past time when some already are."""
@@ -118,5 +192,8 @@ class ClaimQueue:
         # Evict in bulk (down to 90 %) so a long scan past capacity stays O(n log n).
         keep = heapq.nsmallest(int(self.capacity * 0.9), self._live.values())
         self._live = {e.key: e for e in keep}
+        self._gates, self._parked = {}, {}
+        for entry in keep:
+            self._index(entry)
         self._rebuild()
         self.overflowed = True

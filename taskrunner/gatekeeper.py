@@ -9,8 +9,9 @@ the server refuses it outside. The gate document is written only to take lanes a
 (when a due task finds none), to renew their lease (every ``LEASE / 3``), and to give
 them back (``IDLE`` seconds after the last due task, when limits change, at shutdown).
 A task that finds no permit waits in the claim queue until a lane of this worker opens,
-a slot frees, or asking the gate again may give more, so a limited name is never claimed
-and released in a loop.
+a slot frees or a claim took nothing (``opened`` wakes it at once), or asking the gate
+again may give more, so a limited name is never claimed and released in a loop, and a
+permit never idles while a task it could start waits here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from taskrunner.errors import StoreError
 from taskrunner.gates import (
     FENCE,
     IDLE,
+    MARGIN,
     Change,
     GateDoc,
     HeldLane,
@@ -55,9 +57,16 @@ if TYPE_CHECKING:
 log = get_logger("taskrunner.gates")
 TICK = 0.5
 """Seconds between looks at what to renew or give back."""
-RECHECK = 0.2
-"""Seconds before a task waiting for one of this worker's running slots looks again
-(slots free when runs end; looking costs no round trip)."""
+LIFTED = 0.2
+"""Seconds before a task of a name whose limits were just lifted looks again (the worker
+queues such tasks again without a gate as it applies the change)."""
+FALLBACK = 1.0
+"""Most seconds a task waiting for a running slot of this worker waits: a slot that
+frees wakes it at once (``opened``); this only bounds a wake that went missing."""
+UNREAD = 0.25
+"""Seconds a worker holds a gate back past its own estimate of the end of a throttle it
+stored and has not read back yet: the estimate of the server's clock at the write may
+lag the server's by up to half a round trip, and the read normally comes within that."""
 MAX_BACKOFF = 4.0
 """Most seconds between asks of a worker that keeps getting nothing from a gate."""
 ASK_AGAIN = 1.0
@@ -78,16 +87,23 @@ class GateKeeper:
         peers: Callable[[str], list[str]] | None = None,
         throttled: Callable[[str], float | None] | None = None,
         stop_run: Callable[[str], None] | None = None,
+        opened: Callable[[str], None] | None = None,
+        clock_error: Callable[[], float] | None = None,
     ) -> None:
         """``now``: the worker's estimate of server time (POSIX seconds); ``capacity``: the
         most running slots of one gate it leases (its concurrency); ``peers``: ids of the
         live workers serving a name, this one included (whose lanes and slots are whose);
         ``throttled``: until when a gate is held back by a handler's ``RateLimited``;
-        ``stop_run``: stops a run whose running slot is lost (its claim is released)."""
+        ``stop_run``: stops a run whose running slot is lost (its claim is released);
+        ``opened``: a permit of the gate opened before the time its waiting tasks were
+        given (a running slot freed, a claim took nothing): wake them; ``clock_error``:
+        the most ``now`` may be off the server's clock (seconds; 0.02 when not told)."""
         self.store, self.worker_id, self.now, self.capacity = store, worker_id, now, capacity
         self.peers = peers or (lambda name: [worker_id])
         self.throttled = throttled or (lambda gate: None)
         self.stop_run = stop_run or (lambda run_id: None)
+        self.opened = opened or (lambda gate: None)
+        self.clock_error = clock_error or (lambda: 0.02)
         self._runs: dict[str, str] = {}  # run -> the gate whose running slot it holds
         self.limits = dict(limits)
         self.wake = asyncio.Event()
@@ -95,8 +111,7 @@ class GateKeeper:
         self._docs: dict[str, GateDoc] = {}  # the last reply per gate (a write's first guess)
         self._names: dict[str, str] = {}  # gate -> task name
         self._dealt: dict[tuple[str, str, tuple[str, ...]], tuple[frozenset[int], frozenset[int]]] = {}
-        self._changed: set[str] = set()  # names whose limits changed: give their leases back
-        self._throttles: dict[str, float] = {}  # gates this worker throttled, until when
+        self._throttles: dict[str, float] = {}  # gates this worker throttled: its estimate of the end
         self._problems: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self.counts: Counter[str] = Counter()
@@ -111,50 +126,49 @@ class GateKeeper:
         self._names[gate] = name
         return gate
 
-    def want(self, gate: str) -> None:
-        """A task of ``gate`` was queued as this worker's own: its lanes and slots have a
-        use (they are not idle, and the worker has its own backlog of the gate). Tasks it
-        only sees (others' backlog, in a sweep) say nothing of the kind: counting them
-        kept a worker with open lanes from ever taking on that backlog."""
-        if (lease := self._leases.get(gate)) is not None:
-            lease.wanted = max(lease.wanted, self.now())
-
     def name_of(self, gate: str) -> str:
         return self._names.get(gate, gate.split("#", 1)[0])
 
     def set_limits(self, limits: dict[str, Limit]) -> set[str]:
-        """Apply new limits; returns the names whose limits changed. Their lanes and slots
-        go back to their gates at the next tick (a gate's shape follows its limit)."""
+        """Apply new limits; returns the names whose limits changed. The lanes and slots
+        held of their gates that the new limits do not deal to this worker start nothing
+        more and go back as soon as nothing uses them (a gate's shape and split follow its
+        limit), so the workers dealt them now take them; when max_running drops, every
+        slot held does, so the runs on them count against the new limit until they end."""
         changed = {n for n in set(limits) | set(self.limits) if limits.get(n) != self.limits.get(n)}
         lowered = {n for n in changed if _fewer_runs(self.limits.get(n), limits.get(n))}
         self.limits = dict(limits)
-        self._changed |= changed
         for gate, lease in self._leases.items():
             name = self.name_of(gate)
             if name in changed:
+                limit = self.limits.get(name)
+                keep = self._mine(gate, limit, name) if limit else (frozenset[int](), frozenset[int]())
                 lease.retry = 0.0
-            if name in lowered:  # runs on them count against the new limit until they end
-                for held in lease.slots.values():
-                    held.stale = True
+                # Runs on slots held when max_running drops count against the new limit.
+                lease.retire(keep[0], frozenset() if name in lowered else keep[1])
         self.wake.set()
         return changed
 
-    def spare(self, gate: str) -> bool:
-        """Whether this worker could start a task of ``gate`` now and has none of its own
-        waiting, or holds nothing of it and asking may give some. Only then does it take
-        on other workers' backlog of the gate (stealing a task its owner has a lane or
-        slot for only makes one of their claims miss)."""
+    def can_start(self, gate: str) -> bool:
+        """Whether this worker is dealt (or holds) a lane and a slot of ``gate``, as far as
+        its limits have them: it may then take on other workers' tasks of the gate with
+        its own permits, so that no permit idles while tasks of the gate wait anywhere."""
+        name = self.name_of(gate)
+        limit, lease = self.limits.get(name), self._leases.get(gate)
+        if not limit:
+            return False
+        lanes, slots = self._mine(gate, limit, name)
+        if lease is not None:
+            lanes, slots = lanes | set(lease.lanes), slots | set(lease.slots)
+        return (not limit.rate or bool(lanes)) and (not limit.max_running or bool(slots))
+
+    def startable(self, gate: str) -> bool:
+        """Whether a permit of ``gate`` could start a task now (no round trip)."""
         lease, limit = self._leases.get(gate), self.limits.get(self.name_of(gate))
-        if lease is None or not limit:
-            return True
-        if not lease:
-            return not lease.starved
-        # Open now, and no task of its own asked for a lane or slot for a while: its own
-        # backlog of the gate is done (a worker between two runs of its own would collide
-        # with the owner of what it steals).
         now = self.now()
-        quiet = limit.rate.period if limit.rate else ASK_AGAIN
-        return lease.open(limit, _utc(now)) and now - lease.wanted > quiet
+        if lease is None or not limit or (self._throttled_until(gate) or 0.0) > now:
+            return False
+        return lease.open(limit, _utc(now))
 
     # -- permits ---------------------------------------------------------------------------------
     async def admit(
@@ -181,9 +195,10 @@ class GateKeeper:
         return ready, later
 
     def unused(self, permits: Iterable[Permit]) -> None:
-        """These permits claimed nothing, for sure: their lanes and slots are free again."""
+        """These permits claimed nothing, for sure (the gate could not be asked): their
+        lanes and slots are free again, and the tasks waiting wait for their retry."""
         for permit in permits:
-            self.used(permit, None)
+            self.used(permit, None, wake=False)
 
     async def _admit(
         self,
@@ -197,10 +212,12 @@ class GateKeeper:
         limit, lease = self.limits.get(name), self._leases.setdefault(gate, Lease())
         self._names[gate] = name
         lease.wanted = now
-        throttled = max(self.throttled(gate) or 0.0, self._throttles.get(gate, 0.0)) or None
-        if not limit or (throttled is not None and throttled > now):
-            # Limits lifted: the worker queues the name's tasks again without a gate.
-            later.extend((entry, throttled or now + RECHECK) for entry in entries)
+        throttled = self._throttled_until(gate)
+        if not limit:  # lifted: the worker queues the name's tasks again without a gate
+            later.extend((entry, now + LIFTED) for entry in entries)
+            return
+        if throttled is not None and throttled > now:  # until it ends, by this worker's clock
+            later.extend((entry, throttled + self._margin()) for entry in entries)
             return
         at = _utc(now)
         permits = lease.permits(gate, limit, len(entries), at)
@@ -213,12 +230,18 @@ class GateKeeper:
                 raise
             permits += lease.permits(gate, limit, waiting, at)
         if throttled is not None:  # ended by this worker's clock: the server checks it too
-            permits = [replace(p, start=max(p.start, _utc(throttled))) for p in permits]
+            end = _utc(throttled)
+            permits = [replace(p, start=end, throttled=True) if end > p.start else p for p in permits]
         ready.extend(zip(entries, permits, strict=False))
         rest = entries[len(permits) :]
         waits = self._wait_times(lease, limit, len(rest), now)
+
         later.extend(zip(rest, waits, strict=True))
         lease.wanted = max([now, *waits])  # its lanes are wanted until these tasks look again
+
+    def _margin(self) -> float:
+        """Seconds past a server time to wait, by ``now``, to be sure the server reached it."""
+        return MARGIN + self.clock_error()
 
     def owners(self, gate: str, name: str) -> list[str] | None:
         """The live workers that should own ``gate``'s tasks: those dealt a lane and a
@@ -246,32 +269,44 @@ class GateKeeper:
 
     def _wait_times(self, lease: Lease, limit: Limit, count: int, now: float) -> list[float]:
         """When each of ``count`` waiting tasks should look again: when a lane of this
-        worker opens for it, soon when it waits for a slot of its own, else when asking
-        the gate again may give more."""
+        worker opens for it; when a slot of its own frees (``opened`` wakes it then, this
+        is only a fallback); else when asking the gate again may give more."""
         opens = lease.opens_at(limit, count, _utc(now))
-        ask = max(lease.retry, now + RECHECK)
+        ask = max(lease.retry, now + 0.001)
         times = []
         for k in range(count):
             lane = opens[k] if k < len(opens) else ask if limit.rate else now
-            slot = (now + RECHECK if lease.usable_slots(limit) else ask) if limit.max_running else now
+            slot = (now + FALLBACK if lease.usable_slots(limit) else ask) if limit.max_running else now
             times.append(max(lane, slot, now + 0.001))
         return times
 
-    def used(self, permit: Permit, started: datetime | None, run_id: str | None = None) -> None:
+    def used(
+        self, permit: Permit, started: datetime | None, run_id: str | None = None, *, wake: bool = True
+    ) -> None:
         """The claim with ``permit`` started at ``started`` (server time), or claimed
-        nothing (None); a run on a running slot holds it until ``finished``."""
+        nothing (None: with ``wake``, a task waiting for the gate looks again now); a run on
+        a running slot holds it until ``finished``."""
         lease = self._leases.get(permit.gate)
         if lease is not None:
             limit = self.limits.get(self.name_of(permit.gate)) or Limit()
-            lease.used(permit, started, limit.rate.period if limit.rate else 0.0, run_id, self.now())
+            lease.used(permit, started, limit.rate.period if limit.rate else 0.0, run_id, self._margin())
             if run_id is not None and permit.slot is not None and started is not None:
                 self._runs[run_id] = permit.gate
+            if lease.retiring():
+                self.wake.set()  # retired lanes and slots go back as soon as they are free
+        if started is None and wake:
+            self.opened(permit.gate)
 
     def finished(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
+        """``run_id``'s outcome is written: its running slot is free for the next task."""
+        gate = self._runs.pop(run_id, None)
         for lease in self._leases.values():
             if lease.finished(run_id):
-                return
+                if lease.retiring():
+                    self.wake.set()
+                break
+        if gate is not None:
+            self.opened(gate)
 
     async def holds_slot(self, run_id: str) -> bool:
         """Whether ``run_id`` may write its outcome: it holds no running slot, or still
@@ -297,10 +332,22 @@ class GateKeeper:
     async def throttle(self, gate: str, name: str, seconds: float) -> None:
         """``RateLimited`` for a ``limit_by`` value: no worker starts a task of ``gate`` for
         ``seconds`` (the name's limits document lists it; this worker stops at once)."""
-        # The stored end is the server's now plus ``seconds``; this worker's estimate of
-        # that now may lag a little, so it holds back a little longer until it reads it.
-        self._throttles[gate] = self.now() + seconds + 0.25
+        self._throttles[gate] = self.now() + seconds
         await self.store.throttle(name, seconds, gate=gate)
+
+    def _throttled_until(self, gate: str) -> float | None:
+        """Until when ``gate`` is held back (server time): the stored end once this worker
+        has read it; until then, for a throttle of its own, its estimate of that end
+        (the server's now at the write plus the seconds) with ``UNREAD`` to spare."""
+        stored, mine = self.throttled(gate), self._throttles.get(gate)
+        if mine is None:
+            return stored
+        if stored is not None and stored >= mine - UNREAD:  # its own throttle, read back (or a later one)
+            del self._throttles[gate]
+            return stored
+        if mine + UNREAD <= self.now():
+            del self._throttles[gate]  # over, whether read back or not
+        return max(stored or 0.0, mine + UNREAD)
 
     # -- the gate documents ----------------------------------------------------------------------
     async def _ask(self, gate: str, name: str, lease: Lease, limit: Limit, waiting: int) -> None:
@@ -310,7 +357,7 @@ class GateKeeper:
         got: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
         def taking(change: Change, now: datetime) -> None:
-            got[:] = [take(change, limit, self.worker_id, now, mine)]
+            got[:] = [take(change, limit, self.worker_id, now, mine, self._margin())]
 
         if not any(mine):  # nothing dealt to it is missing (more workers than the limit)
             got.clear()
@@ -387,6 +434,7 @@ class GateKeeper:
         def giving(change: Change, now: datetime) -> None:
             probe = Lease(dict(lease.lanes), dict(lease.slots))
             release(change, probe, self.worker_id, now, lanes, slots)
+            resize(change.work, self.limits.get(name) or Limit(), now)  # past a lowered limit: gone
 
         gone = False
         try:
@@ -475,13 +523,12 @@ class GateKeeper:
     async def tend(self, everything: bool = False) -> None:
         """Give back what has no use, renew what is due, forget gates left with nothing;
         ``everything``: give back every lane and slot held (nothing runs here any more)."""
-        now, changed = self.now(), self._changed
-        self._changed = set()
+        now = self.now()
         failed: StoreError | None = None
         for gate, lease in list(self._leases.items()):
             name = self.name_of(gate)
             limit = self.limits.get(name) or Limit()
-            done = name in changed or not limit or now - lease.wanted > IDLE
+            done = not limit or now - lease.wanted > IDLE
             if everything:
                 lanes, slots = set(lease.lanes), set(lease.slots)
             else:
@@ -503,15 +550,16 @@ class GateKeeper:
         self, gate: str, lease: Lease, limit: Limit, name: str, done: bool, now: float
     ) -> tuple[set[int], set[int]]:
         """What to give back: everything not in use once done with the gate; else lanes
-        and slots past the limit, and, when the lease is due for renewal, those not dealt
-        to this worker (taken while idle; a worker that joined since may want them)."""
+        and slots past the limit or held since before its limits changed, and, when the
+        lease is due for renewal, those not dealt to this worker (a worker that joined
+        since may want them)."""
         lanes = {i for i, held in lease.lanes.items() if held.permit is None}
         slots = {j for j, held in lease.slots.items() if held.run is None and held.permit is None}
         if done:
             return lanes, slots
         size = limit.rate.limit if limit.rate else 0
         over = (
-            {i for i in lanes if i >= size},
+            {i for i in lanes if i >= size or lease.lanes[i].stale},
             {j for j in slots if j >= (limit.max_running or 0) or lease.slots[j].stale},
         )
         renew_at = lease.renew_at()

@@ -50,10 +50,10 @@ IDLE = LEASE
 """Seconds a worker keeps lanes and slots it has no task for before giving them back.
 Nobody else takes a live worker's lanes, so keeping them costs only renewals; giving
 them back stops those for gates that went quiet (one per ``limit_by`` value)."""
-MARGIN = 0.02
-"""Seconds past a lane's next start, read from the gate, before claiming on it: a
-worker's estimate of the server's clock may run a little ahead, and a claim that comes
-too early is refused. After its own start a worker needs no margin (``HeldLane.ready``)."""
+MARGIN = 0.002
+"""Seconds past a lane's next start, beyond the error bound of this worker's estimate of
+the server's clock, before claiming on it (the server's clock counts milliseconds): a
+claim that comes too early is refused."""
 FENCE = 2.0
 """Seconds before a running slot's lease ends, by the worker's clock, at which a run on
 it stops unless the lease was renewed: another worker may take the slot once it ends,
@@ -201,13 +201,14 @@ class HeldLane:
     """The permit using it right now (a claim on its way)."""
     leaving: bool = False
     """Being given back: it starts nothing more."""
+    stale: bool = False
+    """Held when the gate's limits changed: it starts nothing more and goes back once
+    free (the new limits may deal it to another worker)."""
     ready: float = 0.0
-    """When to claim on it, by this worker's estimate of server time: a period after the
-    reply to its last start arrived, which the server's clock has then passed whatever
-    the estimate's error (a claim is never refused for coming early)."""
-
-    def __post_init__(self) -> None:
-        self.ready = max(self.ready, self.next.timestamp() + MARGIN)
+    """When to claim on it, by this worker's estimate of server time: its next start plus
+    the estimate's error bound and ``MARGIN``, which the server's clock has then passed
+    (a claim is never refused for coming early, and none waits longer than that: a lane
+    claimed a reply's time late would lose that time every period)."""
 
 
 @dataclass(slots=True)
@@ -236,6 +237,9 @@ class Permit:
     until: datetime
     lane: int | None
     slot: int | None
+    throttled: bool = False
+    """Its start is a throttle's end (``RateLimited``), which the server's clock may not
+    have reached when this worker's estimate says it has: a claim refused then came early."""
 
 
 @dataclass(slots=True)
@@ -255,6 +259,18 @@ class Lease:
 
     def __bool__(self) -> bool:
         return bool(self.lanes or self.slots)
+
+    def retire(self, lanes: frozenset[int], slots: frozenset[int]) -> None:
+        """The gate's limits changed: what is held other than these lanes and slots (those
+        the new limits deal to this worker) starts nothing more (``stale``)."""
+        for i, lane in self.lanes.items():
+            lane.stale = lane.stale or i not in lanes
+        for j, slot in self.slots.items():
+            slot.stale = slot.stale or j not in slots
+
+    def retiring(self) -> bool:
+        """Whether a stale lane or slot is held (it goes back once free)."""
+        return any(h.stale for h in self.lanes.values()) or any(h.stale for h in self.slots.values())
 
     def renew_at(self) -> float | None:
         untils = [h.until for h in self.lanes.values()] + [h.until for h in self.slots.values()]
@@ -308,7 +324,11 @@ class Lease:
         open_ = [
             i
             for i, h in self.lanes.items()
-            if i < size and h.permit is None and not h.leaving and h.ready <= at and h.until > now
+            if i < size
+            and h.permit is None
+            and not (h.leaving or h.stale)
+            and h.ready <= at
+            and h.until > now
         ]
         return sorted(open_, key=lambda i: self.lanes[i].ready)
 
@@ -324,7 +344,7 @@ class Lease:
         times = sorted(
             h.ready if h.permit is None else max(h.ready, now_s) + period
             for i, h in self.lanes.items()
-            if i < limit.rate.limit
+            if i < limit.rate.limit and not h.stale
         )
         out: list[float] = []
         for k in range(waiting if times else 0):
@@ -332,16 +352,17 @@ class Lease:
         return out
 
     def used(
-        self, permit: Permit, started: datetime | None, period: float, run: str | None, now: float
+        self, permit: Permit, started: datetime | None, period: float, run: str | None, margin: float
     ) -> None:
         """The claim with ``permit`` started at ``started`` (None: it claimed nothing); its
-        reply came at ``now`` (this worker's estimate of server time)."""
+        lane opens again a period later, claimed on ``margin`` seconds after that by this
+        worker's estimate of server time (its error bound and ``MARGIN``)."""
         lane = self.lanes.get(permit.lane) if permit.lane is not None else None
         if lane is not None and lane.permit == permit.id:
             lane.permit = None
             if started is not None:
                 lane.next = max(lane.next, started + timedelta(seconds=period))
-                lane.ready = max(lane.ready, started.timestamp(), now) + period
+                lane.ready = max(lane.ready, lane.next.timestamp() + margin)
         slot = self.slots.get(permit.slot) if permit.slot is not None else None
         if slot is not None and slot.permit == permit.id:
             slot.permit = None
@@ -436,11 +457,12 @@ def take(
     worker: str,
     now: datetime,
     mine: tuple[frozenset[int], frozenset[int]],
+    margin: float = MARGIN,
 ) -> tuple[dict[int, HeldLane], dict[int, HeldSlot]]:
     """Lease the lanes and slots dealt to this worker (``mine``, see ``dealt``) that are
     free, until ``now + LEASE``. Only those: a worker with more tasks than its lanes start
-    leaves them to idle workers, which take them on with their own lanes (they steal),
-    so lanes never change hands while their workers live."""
+    leaves them to the other workers, which take them on with their own lanes, so lanes
+    never change hands while their workers live. ``margin``: see ``HeldLane.ready``."""
     gate, until = change.work, lease_end(now)
     resize(gate, limit, now)
     period = limit.rate.period if limit.rate else 0.0
@@ -449,7 +471,7 @@ def take(
         if i < _size(limit.rate) and gate.lanes[i].free(now):
             opens = gate.lanes[i].opens(period)
             gate.lanes[i] = Lane(holder=worker, until=until, next=opens, freed=gate.lanes[i].freed)
-            held[i] = HeldLane(opens, until)
+            held[i] = HeldLane(opens, until, ready=opens.timestamp() + margin)
             change.lanes.add(i)
     free_slots = [j for j, slot in enumerate(gate.running[: limit.max_running or 0]) if slot.free(now)]
     # Slots past a lowered limit still held (by runs from before the change) count: no

@@ -66,14 +66,17 @@ if TYPE_CHECKING:
 MAX_MISSES = 2  # claim attempts on a due key the server refuses before it is left to sweeps
 KEYLESS = "\0keyless"  # claim-queue entry for one claim without a key (see Worker.keyless)
 SWEEP = "\0sweep"  # claim-queue entry for the next sweep (see Worker.sweep_at)
+TAKEN_ON = 2  # rank of another worker's task of a limited name queued here (Worker.consider)
 SPECIAL = (KEYLESS, SWEEP)
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
+CLAIM_AMONG = 8  # keys one claim of a limited name chooses among (the server takes the best still claimable)
 ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's sweep may
 SWEEP_INTERVAL = 1.0  # seconds between sweeps while a slot is free (takeovers, orphans)
 QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while nothing runs here
 FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together, at most
 SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
 BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
+CLOCK_SAMPLES = 3  # round trips per estimate of the server's clock (the quickest is kept)
 DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
 DRAIN_SLACK = 1.0  # draining, tasks due within this many seconds count as claimable now
 RECOVERED = "claims recovered after a lost reply"
@@ -117,12 +120,21 @@ class ServerClock:
 
     def __init__(self) -> None:
         self.offset = 0.0
+        self.error = 0.02
+        """The most the estimate may be off: the server read its clock between the
+        request and the reply, so by at most half their round trip from the middle."""
 
     async def sync(self, store: Store) -> None:
-        before = time.time()
-        server = (await store.server_time()).timestamp()
-        after = time.time()
-        self.offset = server - (before + after) / 2
+        """The offset from the quickest of ``CLOCK_SAMPLES`` round trips (the first may
+        include connecting): its error bound is the smallest."""
+        samples = []
+        for _ in range(CLOCK_SAMPLES):
+            before = time.time()
+            server = (await store.server_time()).timestamp()
+            after = time.time()
+            samples.append((after - before, server - (before + after) / 2))
+        took, self.offset = min(samples)
+        self.error = took / 2
 
     def now(self) -> float:
         return time.time() + self.offset
@@ -171,6 +183,7 @@ class Worker:
         self._unconfirmed: list[ClaimUnconfirmed] = []  # claims whose reply was lost, to recover
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="taskrunner-handler")
         self._drain_seen: set[str] = set()
+        self._elsewhere: set[str] = set()  # gates the last sweep saw other workers' tasks of
         self._parts(options.discovery == "poll")
 
     def _parts(self, polling: bool) -> None:
@@ -200,6 +213,8 @@ class Worker:
             peers=self._serving,
             throttled=lambda gate: self.limits.gate_throttles.get(gate),
             stop_run=self._slot_lost,
+            opened=self._gate_opened,
+            clock_error=lambda: self.clock.error,
         )
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
@@ -227,8 +242,10 @@ class Worker:
 
     def consider(self, task: Task, *, steal: bool = False) -> bool:
         """Queue ``task`` at the time this worker may claim it, if this worker should:
-        ``worker_ids`` name it or it owns the task; with ``steal``, also when its owner let
-        the grace pass. Returns whether it was queued."""
+        ``worker_ids`` name it or it owns the task; a task of a limited name that another
+        worker owns, when this one has permits of its gate to take it on with (after its
+        own: ``TAKEN_ON``); with ``steal``, also when its owner let the grace pass. Returns
+        whether it was queued."""
         claimable = task.name in self.names and task.name not in self.limits.paused
         # A sweep lists a task whose own lease expires soon; one of this worker's live runs renews it.
         running_here = any(entry.run_id in self.runs for entry in task.workers)
@@ -238,20 +255,29 @@ class Worker:
             return False
         mine = self.worker_id in task.options.worker_ids
         when = at.timestamp()
-        # A limited name's backlog waits for its owner's lanes: only a worker with a lane or
-        # slot of the gate open right now takes it on.
         gate = self.gates.gate_of(task.name, task.params)
-        stealable = task.state is TaskState.RUNNING or not gate or self.gates.spare(gate)
-        own = mine or self.owns(task, gate)
-        if own or (steal and stealable and when + ORPHAN_GRACE <= self.clock.now()):
-            if own and gate:
-                self.gates.want(gate)
-            takeover = 0 if task.state is TaskState.RUNNING else 1
-            rank = (0 if mine else 1, -task.priority, takeover, task.created_at.timestamp())
-            fresh = task.state is TaskState.PENDING and not task.workers and not task.fatal
-            self.queue.put(task.key, when, rank, fresh=fresh, name=task.name, gate=gate)
-            return True
-        return False
+        pending = task.state is TaskState.PENDING
+        place = 0 if mine else 1 if self.owns(task, gate) else None
+        if place is None and gate and pending and self.gates.can_start(gate):
+            # A gate's permits are this worker's own and any of them may start any task of
+            # the gate: taken on after its own tasks of the gate, a permit of it never idles
+            # while the gate's tasks wait on other workers (each claim of a limited name
+            # chooses among several keys, so a task another worker started is skipped).
+            place = TAKEN_ON
+        elif (
+            place is None and steal and (not pending or not gate) and when + ORPHAN_GRACE <= self.clock.now()
+        ):
+            place = 1  # an orphan; a limited name's takeover needs a permit like any start
+        if place is None:
+            return False
+        takeover = 0 if task.state is TaskState.RUNNING else 1
+        rank = (place, -task.priority, takeover, task.created_at.timestamp())
+        fresh = pending and not task.workers and not task.fatal
+        queued = self.queue.get(task.key)
+        if gate and queued is not None and (queued.since, queued.rank, queued.gate) == (when, rank, gate):
+            return True  # waiting for a permit of its gate (or due already): left so
+        self.queue.put(task.key, when, rank, fresh=fresh, name=task.name, gate=gate)
+        return True
 
     def active_names(self) -> list[str]:
         """The names this worker claims now: its handlers' names less the paused ones."""
@@ -545,17 +571,25 @@ class Worker:
         return claimed.claims if claimed is not None else []
 
     async def _claim_keys(
-        self, due: list[Due], names: list[str], window: Window | None = None
+        self,
+        due: list[Due],
+        names: list[str],
+        window: Window | None = None,
+        *,
+        one: bool = False,
+        early: bool = False,
     ) -> Claimed | None:
-        """Claim these keys, each on its own, in one update (one command for a single key);
-        None when the server failed, and then the claims may have landed. Claims of an
-        earlier call whose reply was lost are recovered first, instead."""
+        """Claim these keys, each on its own, in one update (one command for a single key),
+        or with ``one`` the best one still claimable; None when the server failed, and
+        then the claims may have landed. ``early``: the window opens at a throttle's end,
+        which the server's clock may not have reached. Claims of an earlier call whose
+        reply was lost are recovered first, instead."""
         if self._unconfirmed:
             return Claimed(await self._confirm(len(due)), [])
         keys, fresh = [d.key for d in due], all(d.fresh for d in due)
         try:
-            if len(keys) == 1:
-                claimed = await self._claim_one(keys[0], names, fresh, window)
+            if len(keys) == 1 or one:
+                claimed = await self._claim_one(keys, names, fresh, window)
             else:
                 claimed = await self.store.claim_many(
                     self.worker_id, keys, names=names, fresh=fresh, window=window
@@ -569,9 +603,9 @@ class Worker:
         for problem in claimed.rejected:
             self.log.warning("claimed an unreadable task; recorded as its failure", error=str(problem))
         won = {c.task.key for c in claimed.claims}
-        missed = [d for d in due if d.key not in won]
+        missed = [] if one and (claimed.claims or claimed.rejected) else [d for d in due if d.key not in won]
         if missed:
-            self._claimed_none(missed)
+            self._claimed_none(missed, early=early)
         self._claimed(claimed.claims)
         return claimed
 
@@ -622,27 +656,77 @@ class Worker:
         self._claimed(runs + back)
         return runs
 
-    async def _claim_one(self, key: str, names: list[str], fresh: bool, window: Window | None) -> Claimed:
-        """``claim_many`` of one key, as the single findAndModify ``claim`` is."""
+    async def _claim_one(
+        self, keys: list[str], names: list[str], fresh: bool, window: Window | None
+    ) -> Claimed:
+        """One claim of the best of ``keys``, as the single findAndModify ``claim`` is."""
+        key, among = (keys[0], None) if len(keys) == 1 else (None, keys)
         try:
-            claim = await self.store.claim(self.worker_id, key=key, names=names, fresh=fresh, window=window)
+            claim = await self.store.claim(
+                self.worker_id, key=key, keys=among, names=names, fresh=fresh, window=window
+            )
         except MalformedTask as exc:
             return Claimed([], [exc])
         return Claimed([claim] if claim is not None else [], [])
 
     async def _claim_gated(self, due: list[Due], slots: int) -> list[Claim]:
         """Claim due tasks of limited names whose permits allow it now, at most ``slots``;
-        put the others back until their permit starts or their gate may give one."""
+        park the others until their permit starts or their gate may give one."""
         try:
             ready, later = await self.gates.admit(due, slots)
         except StoreError as exc:
             retry = self.clock.now() + self._claims.failed(exc)
             later, ready = [(entry, retry) for entry in due], []
         for entry, at in later:
-            self.queue.again(entry, at)
+            self.queue.park(entry, at)
+        for gate in {entry.gate for entry, _ in later}:
+            if self.gates.startable(gate):  # a permit opened while the gate was asked
+                self._gate_opened(gate)
         if later:
             self.observer.throttled(sorted(entry.name for entry, _ in later))
-        return await self._claim_with_permits(ready) if ready else []
+        if len(ready) >= MIN_BATCH:
+            return await self._claim_with_permits(ready)
+        claims: list[Claim] = []
+        for entry, permit in ready:
+            # The permit may start any task of its gate: the claim chooses among the best
+            # waiting ones of the same standing (this worker's own, or taken on), so a
+            # task another worker started meanwhile costs no round trip.
+            among = [entry] + [
+                e
+                for e, _ in later
+                if e.gate == entry.gate and (e.rank[0] == TAKEN_ON) == (entry.rank[0] == TAKEN_ON)
+            ]
+            claims += await self._claim_among(among[:CLAIM_AMONG], permit)
+        for gate in {entry.gate for entry, _ in ready}:
+            self._take_more(gate)
+        return claims
+
+    def _gate_opened(self, gate: str) -> None:
+        """A permit of ``gate`` opened sooner than the tasks waiting for it were told (a
+        running slot freed, a claim took nothing): the best of them look again now (as
+        many as one claim chooses among)."""
+        if not self.queue.wake(gate, CLAIM_AMONG, self.clock.now()):
+            self._take_more(gate)
+
+    def _take_more(self, gate: str) -> None:
+        """Nothing of ``gate`` is queued here any more, while the last sweep saw other
+        workers' tasks of it waiting: sweep now for more, so its permits do not idle
+        until the next sweep (once per sweep that saw some)."""
+        if gate in self._elsewhere and not self.queue.count(gate):
+            self._elsewhere.discard(gate)
+            self.sweep_at(None)
+
+    async def _claim_among(self, entries: list[Due], permit: Permit) -> list[Claim]:
+        """One claim of the best task still claimable among ``entries`` (one gate's), with
+        ``permit``'s window; the permit is then settled with its claim time."""
+        claimed: Claimed | None = None
+        try:
+            claimed = await self._claim_keys(
+                entries, [entries[0].name], (permit.start, permit.until), one=True, early=permit.throttled
+            )
+        finally:  # whatever happened (an error, a cancellation), the permit is settled
+            self._settle([(entry, permit) for entry in entries], claimed, one=True)
+        return claimed.claims if claimed is not None else []
 
     async def _claim_with_permits(self, ready: list[tuple[Due, Permit]]) -> list[Claim]:
         """One claim for tasks whose permits are open now: the server takes them only
@@ -651,15 +735,29 @@ class Worker:
         claimed: Claimed | None = None
         try:
             claimed = await self._claim_keys(
-                [entry for entry, _ in ready], sorted({e.name for e, _ in ready}), window
+                [entry for entry, _ in ready],
+                sorted({e.name for e, _ in ready}),
+                window,
+                early=any(p.throttled for _, p in ready),
             )
         finally:  # whatever happened (an error, a cancellation), every permit is settled
             self._settle(ready, claimed)
         return claimed.claims if claimed is not None else []
 
-    def _settle(self, ready: list[tuple[Due, Permit]], claimed: Claimed | None) -> None:
+    def _settle(self, ready: list[tuple[Due, Permit]], claimed: Claimed | None, *, one: bool = False) -> None:
         """Give each permit its claim's start and run; without an answer the claim may
-        have landed, so each counts as a start at the latest its window allows."""
+        have landed, so each counts as a start at the latest its window allows. ``one``:
+        the entries share one permit (a claim among them), settled once."""
+        if one:
+            permit = ready[0][1]
+            if claimed is None or claimed.rejected:
+                self.gates.used(permit, permit.until)
+            elif claimed.claims:
+                [only] = claimed.claims
+                self.gates.used(permit, only.entry.claimed_at, only.run_id)
+            else:
+                self.gates.used(permit, None)
+            return
         if claimed is None:
             for _, permit in ready:
                 self.gates.used(permit, permit.until)
@@ -705,6 +803,9 @@ class Worker:
         self._claims.ok()
         before = len(self.queue)
         others = [t for t in page.tasks if not self.consider(t)]
+        self._forget_started({t.key for t in page.tasks}, set(self._gated(names)), now - self.clock.error)
+        taken_on = [self.queue.get(t.key) for t in page.tasks]
+        self._elsewhere = {e.gate for e in taken_on if e is not None and e.rank[0] == TAKEN_ON}
         self._steal([t for t in others if t.state is TaskState.RUNNING] if own_work else others)
         await self.discovery.settle(page.unreadable)
         more = page.after is not None and len(self.queue) > before
@@ -712,6 +813,18 @@ class Worker:
         # new tasks reach their owners' streams; a sweep that sees anything keeps the pace.
         saw_nothing = not page.tasks and not page.unreadable and not self.runs
         self.sweep_at(now if more else now + (quiet if saw_nothing else busy))
+
+    def _forget_started(self, listed: set[str], names: set[str], before: float) -> None:
+        """Other workers' tasks of these limited names, queued here and claimable before
+        ``before``, that a sweep read then did not list: started meanwhile (or behind
+        what it listed): forgotten, so that no claim is spent on them."""
+        for gate, entries in self.queue.gates().items():
+            if self.gates.name_of(gate) not in names:
+                continue
+            for entry in entries:
+                pending = entry.rank[2] == 1
+                if entry.rank[0] == TAKEN_ON and pending and entry.since < before and entry.key not in listed:
+                    self.queue.discard(entry.key)
 
     def _steal(self, others: list[Task]) -> None:
         """Queue orphans: at most as many as there are free slots; takeovers first, then
@@ -726,16 +839,17 @@ class Worker:
             self.queue.discard(claim.task.key)
             self._misses.pop(claim.task.key, None)
 
-    def _claimed_none(self, due: list[Due]) -> None:
+    def _claimed_none(self, due: list[Due], *, early: bool = False) -> None:
         """These keys were not claimable: not quite due by the server's clock (retry
         shortly), or, once past the grace in which nobody else may take them, claimed or
         changed by someone else (leave them to events and sweeps: retrying a taken task
-        would cost a command per try for nothing)."""
+        would cost a command per try for nothing). ``early``: the claim's window may not
+        have opened yet by the server's clock, so they are retried shortly all the same."""
         now = self.clock.now()
         self.log.debug("claim missed", keys=[entry.key for entry in due])
         for entry in due:
             misses = self._misses.get(entry.key, 0) + 1
-            if misses > MAX_MISSES or entry.at + ORPHAN_GRACE <= now:
+            if misses > MAX_MISSES or (entry.since + ORPHAN_GRACE <= now and not early):
                 self._misses.pop(entry.key, None)
                 self.queue.discard(entry.key)
             else:

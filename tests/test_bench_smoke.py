@@ -117,6 +117,22 @@ def test_pause_smoke(tmp_path: Path) -> None:
     assert len(result["lags_s"]) == 1 and result["max_s"] == max(result["lags_s"]) >= 0
 
 
+def test_ratelimit_smoke(tmp_path: Path) -> None:
+    """``ratelimit.py --smoke`` reports, from one run, a rate case, the unlimited case, a
+    live change and max_running against uncapped, each within its limit."""
+    result = run_bench("ratelimit.py", "--smoke", results=tmp_path / "results.jsonl", timeout=180)
+    assert result["bench"] == "ratelimit" and result["config"]["rates"] == ["10/s"]
+    rate = result["rates"]["10/s"]
+    assert rate["max_starts_per_window"] <= 10 and rate["achieved_share"] > 0
+    assert result["unlimited_per_s"] > 0
+    live = result["live"]
+    assert (live["from"], live["to"]) == (4, 2) and live["starts_after_change"] > 0
+    assert live["max_starts_per_window_after_change"] <= 2
+    capped = result["capped"]
+    assert capped["most_running_at_once"] <= 2 < capped["uncapped_most_running_at_once"]
+    assert set(result["jobs_per_task"]) == {"limited", "unlimited", "capped", "uncapped"}
+
+
 MACHINE = {
     "cpu": "Test CPU",
     "cores": 2,

@@ -41,6 +41,25 @@ def test_queue_overflow_evicts_the_farthest_and_flags_a_rescan() -> None:
     assert [d.key for d in queue.due(100.0)] == [f"k{i}" for i in range(9)]
 
 
+def test_parked_entries_of_a_gate_wake_best_first_when_a_permit_opens() -> None:
+    """Entries parked for a gate's permit until a later time: ``wake`` makes the best of
+    those still parked due now (not one claimed or re-queued meanwhile, nor another gate's)
+    and says how many; the others stay parked until their time."""
+    queue = ClaimQueue()
+    for key, priority in (("low", 0), ("high", 9), ("mid", 5), ("gone", 7)):
+        queue.put(key, 1.0, (1, -priority, 1, 0.0), name="job", gate="job")
+    queue.put("other", 1.0, (1, -9, 1, 0.0), name="else", gate="else")
+    for entry in queue.due(1.0):
+        queue.park(entry, 10.0)
+    queue.discard("gone")  # claimed meanwhile
+    assert queue.due(2.0) == [] and queue.count("job") == 3
+    assert queue.wake("job", 2, 2.0) == 2
+    assert [d.key for d in queue.due(2.0)] == ["high", "mid"]
+    assert queue.wake("job", 5, 2.0) == 1 and queue.wake("job", 5, 2.0) == 0
+    assert [d.key for d in queue.due(2.0)] == ["high", "mid", "low"]
+    assert "other" not in {d.key for d in queue.due(9.9)} and "other" in {d.key for d in queue.due(10.0)}
+
+
 def make_runner(store: Any) -> tuple[TaskRunner, list[str]]:
     runner = TaskRunner(store=store)
     done: list[str] = []

@@ -5,7 +5,8 @@ never exceeded in any sliding window, max_running never exceeded at any instant,
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+import statistics
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,96 @@ async def test_a_backlog_published_before_the_workers_hides_no_limited_names_tas
         await wait_for(lambda: _done(runner, "exclusive", 6), 120, "the exclusive tasks")
         metered = await runner.store.count(state=TaskState.SUCCESS, name="metered")
     assert metered < 40
+
+
+def _achieved(starts: list[datetime], limit: int) -> float:
+    """Starts per second while tasks waited: ``limit`` over the mean time from each start
+    to the ``limit``-th after it (each lane's time to start again, free of where a second's
+    window falls)."""
+    spans = [(later - first).total_seconds() for first, later in zip(starts, starts[limit:], strict=False)]
+    return limit / (sum(spans) / len(spans))
+
+
+async def _started(runner: TaskRunner, name: str, count: int) -> bool:
+    tasks = await runner.list_tasks(name=name, limit=1000)
+    return sum(bool(t.workers) for t in tasks) >= count
+
+
+async def test_a_backlog_starts_at_the_full_rate_across_workers_and_after_a_live_change(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """metered at 10/s on 4 worker processes: a backlog of 50 starts at least 9 per second
+    from its first second until the operator lowers the rate to 2/s, then at least 1.8 per
+    second from a second after the change until its last start; no 1 s window ever holds
+    more than the rate in force (a lane idles neither while its own worker's tasks are done
+    and others' wait, nor while the gate is dealt again after the change)."""
+    await runner.limit("metered", rate_limit="10/s")
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 4)
+        await runner.publish_many([{"name": "metered", "key": f"m{i:02}"} for i in range(50)])
+        await wait_for(lambda: _started(runner, "metered", 25), 120, "half the backlog to start")
+        changed = await runner.limit("metered", rate_limit="2/s")
+        tasks = await wait_for(lambda: _done(runner, "metered", 50), 120, "the metered tasks")
+    starts = _starts(tasks)
+    assert changed.updated_at is not None
+    change, applied = changed.updated_at, changed.updated_at + timedelta(seconds=1)
+    before, after = [s for s in starts if s < change], [s for s in starts if s >= applied]
+    assert _most_in_window(before, 1.0) <= 10 and _most_in_window(after, 1.0) <= 2
+    assert _achieved(before, 10) >= 9.0
+    assert len(after) >= 8 and _achieved(after, 2) >= 1.8
+
+
+def _running_at(tasks: list[Task]) -> list[tuple[datetime, int]]:
+    """How many runs hold an entry from each start or end on (server times)."""
+    edges = []
+    for task in tasks:
+        for entry in task.workers:
+            assert entry.finished_at is not None
+            edges += [(entry.claimed_at, 1), (entry.finished_at, -1)]
+    running, steps = 0, []
+    for at, step in sorted(edges, key=lambda e: (e[0], e[1])):
+        running += step
+        steps.append((at, running))
+    return steps
+
+
+def _longest_below(tasks: list[Task], cap: int) -> float:
+    """The longest time fewer than ``cap`` runs went on between the first start and the
+    last (tasks were waiting all that time)."""
+    last = max(entry.claimed_at for task in tasks for entry in task.workers)
+    longest, since = 0.0, None
+    for at, running in _running_at(tasks):
+        if at > last:
+            break
+        if running < cap and since is None:
+            since = at
+        elif running >= cap and since is not None:
+            longest, since = max(longest, (at - since).total_seconds()), None
+    return longest
+
+
+def _handoffs(tasks: list[Task], cap: int) -> list[float]:
+    """Seconds from each run's end to the start that took its slot, first come first
+    served: the starts past the first ``cap`` against the ends in order."""
+    runs = [(entry.claimed_at, entry.finished_at) for task in tasks for entry in task.workers]
+    starts, ends = sorted(start for start, _ in runs), sorted(end for _, end in runs if end is not None)
+    return [(start - end).total_seconds() for start, end in zip(starts[cap:], ends, strict=False)]
+
+
+async def test_max_running_keeps_its_slots_busy_while_tasks_wait(
+    mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
+) -> None:
+    """exclusive (max_running=2): 12 tasks of 0.5 s on 3 worker processes keep 2 running
+    from the first start to the last: a slot freed by a run's end starts a waiting task at
+    once (half of them within 60 ms of that end, by the documents' server times), never
+    at a later look or sweep (fewer than 2 run for at most 0.5 s at a time)."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        await _start_workers(pool, 3)
+        await runner.publish_many(
+            [{"name": "exclusive", "key": f"x{i:02}", "params": {"seconds": 0.5}} for i in range(12)]
+        )
+        tasks = await wait_for(lambda: _done(runner, "exclusive", 12), 120, "the exclusive tasks")
+    handoffs = _handoffs(tasks, 2)
+    assert _most_at_once(tasks) <= 2 and len(handoffs) == 10
+    assert statistics.median(handoffs) <= 0.06, sorted(handoffs)
+    assert _longest_below(tasks, 2) <= 0.5

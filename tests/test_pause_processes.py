@@ -133,3 +133,30 @@ async def _docs(mongo_uri: str, collection: str, prefix: str) -> list[Doc]:
         for entry in doc["workers"]:
             entry["claimed_at"] = entry["claimed_at"].timestamp()
     return docs
+
+
+async def test_resume_makes_the_backlog_claimable_within_a_second(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``taskrunner resume quick`` after tasks of quick were published while paused: every
+    one of them is claimed within 1 s of the resume (``resumed_at`` against ``claimed_at``,
+    server times), none before it."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        workers = pool.start_many(["w1", "w2"], "--beat-interval", "0.5")
+        await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
+        await _cli(mongo_uri, collection_name, "pause", "quick")
+        await wait_for(lambda: _holding(workers, "quick"), 30, "both workers to hold quick back")
+        await runner.publish_many([{"name": "quick", "key": f"r{i}"} for i in range(8)])
+        await _cli(mongo_uri, collection_name, "resume", "quick")
+        await wait_for(lambda: _all_succeeded(runner, "r", 8), 60, "the backlog after resume")
+    docs = await _docs(mongo_uri, collection_name, "r")
+    resumed_at = (await _limit_docs(mongo_uri, collection_name))["quick"]["resumed_at"].timestamp()
+    waits = sorted(d["workers"][0]["claimed_at"] - resumed_at for d in docs)
+    assert waits[0] >= 0 and waits[-1] <= 1.0, waits
+
+
+def _holding(workers: list[Any], name: str) -> bool:
+    """Whether every worker logged that it holds ``name`` back (it logs each change)."""
+    return all(
+        any(name in line.get("paused", []) for line in w.find("paused names changed")) for w in workers
+    )

@@ -4,6 +4,7 @@ retried, and runs that ask to run again later without counting a failure."""
 from __future__ import annotations
 
 import itertools
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,36 @@ async def test_rate_limited_holds_back_the_whole_name_for_its_retry_after(
 async def _throttle_of(runner: TaskRunner, name: str) -> LimitState | None:
     state = (await runner.store.limits([name])).get(name)
     return state if isinstance(state, LimitState) and state.throttled_until is not None else None
+
+
+async def test_tasks_held_back_by_rate_limited_start_promptly_when_it_ends(
+    runner: TaskRunner, mongo_uri: str, collection_name: str, tmp_path: Path
+) -> None:
+    """``RateLimited(retry_after=1)`` of a whole name (calls_api) and of one ``limit_by``
+    value (per_tenant, tenant a): the task that raised it and the tasks of the name or
+    value published meanwhile start within 0.5 s after the throttle's end (server times),
+    none before it."""
+    with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
+        workers = pool.start_many(["w1", "w2"])
+        await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
+        params = {"limited_key": "first", "retry_after": 1}
+        await runner.publish("calls_api", params, key="first")
+        await runner.publish("per_tenant", {"tenant": "a", "throttle": 1.0}, key="a-first")
+        name = await wait_for(lambda: _throttle_of(runner, "calls_api"), 60, "the name's throttle")
+        gate = await wait_for(lambda: _gate_throttle(runner, 'per_tenant#"a"'), 60, "tenant a's throttle")
+        await runner.publish_many(
+            [{"name": "calls_api", "params": params, "key": f"api{i}"} for i in range(3)]
+        )
+        await runner.publish("per_tenant", {"tenant": "a"}, key="a0")
+        keys = ["first", "api0", "api1", "api2", "a-first", "a0"]
+        tasks = {t.key: t for t in await wait_for(lambda: finished(runner, *keys), 60, "every task")}
+    assert name.throttled_until is not None
+    ends = {key: name.throttled_until if key in keys[:4] else gate for key in keys}
+    starts = {key: tasks[key].workers[-1].claimed_at for key in keys}
+    late = {key: round((starts[key] - ends[key]).total_seconds(), 3) for key in keys}
+    assert all(0 <= wait <= 0.5 for wait in late.values()), late
+
+
+async def _gate_throttle(runner: TaskRunner, gate: str) -> datetime | None:
+    _, state = await runner.limits(gate.split("#")[0])
+    return next((t.until for t in state.throttled_gates if t.gate == gate), None) if state else None

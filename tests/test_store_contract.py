@@ -1006,6 +1006,22 @@ async def test_claim_many_claims_each_eligible_key_under_its_own_run_id(store: S
     assert (await store.claim_many("w3", ["b0", "b1"])).claims == []
 
 
+async def test_a_claim_among_keys_takes_the_best_one_still_claimable(store: Store) -> None:
+    """``claim(keys=...)`` takes one task: the best by priority among the listed keys of
+    its names still claimable (taken, unknown or unlisted keys are skipped), none when
+    every one is gone."""
+    await publish(
+        store, *(task(f"s{i}", priority=i) for i in range(4)), task("best", name="else", priority=9)
+    )
+    assert await store.claim("w2", key="s3") is not None
+    claim = await store.claim("w1", keys=["s1", "s3", "s2", "gone", "best"], names=["job"])
+    assert claim is not None and claim.task.key == "s2" and claim.entry.worker_id == "w1"
+    again = await store.claim("w1", keys=["s1", "s2", "s3"], fresh=True)
+    assert again is not None and again.task.key == "s1"
+    assert await store.claim("w3", keys=["s1", "s2", "s3", "gone"]) is None
+    assert (await store.get("s0")).state is TaskState.PENDING
+
+
 async def test_recover_finds_the_claims_that_still_hold_their_entry(store: Store) -> None:
     """``recover`` returns this worker's claims among the run ids, by key or without keys,
     and not a claim given back, another worker's, or one of a key not asked for."""

@@ -331,8 +331,12 @@ class Store(Protocol):
         names: Sequence[str] | None = None,
         fresh: bool = False,
         window: Window | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Claim | None:
         """Atomically claim ``key`` (or the best claimable task) for ``worker_id``.
+
+        ``keys``: the best claimable task among these keys instead (one task), so a claim
+        from a list some other worker may have taken from meanwhile skips what was taken.
 
         ``window``: claim only while the server's clock is within it (a gate's permit).
 

@@ -303,20 +303,29 @@ class MemoryStore:
         names: Sequence[str] | None = None,
         fresh: bool = False,
         window: Window | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Claim | None:
-        return self._claim(worker_id, key, names, fresh, window)
+        return self._claim(worker_id, [key] if key is not None else keys, names, fresh, window)
 
     def _claim(
-        self, worker_id: str, key: str | None, names: Sequence[str] | None, fresh: bool, window: Window | None
+        self,
+        worker_id: str,
+        keys: Sequence[str] | None,
+        names: Sequence[str] | None,
+        fresh: bool,
+        window: Window | None,
     ) -> Claim | None:
         now = self._clock()
         if window is not None and not window[0] <= now <= window[1]:
             return None
-        docs = self._docs.values() if key is None else [d for d in [self._docs.get(key)] if d is not None]
+        if keys is None:
+            docs = list(self._docs.values())
+        else:
+            docs = [d for d in map(self._docs.get, dict.fromkeys(keys)) if d is not None]
         eligible = [
             d
             for d in docs
-            if (key is None or d.get(f.KEY) == key)
+            if (keys is None or d.get(f.KEY) in keys)
             and (names is None or d.get(f.NAME) in names)
             and (not fresh or rules.fresh(d))
             and rules.claimable(d, worker_id, now)
@@ -351,7 +360,7 @@ class MemoryStore:
         rejected: list[MalformedTask] = []
         for key in dict.fromkeys(keys):
             try:
-                claim = self._claim(worker_id, key, names, fresh, window)
+                claim = self._claim(worker_id, [key], names, fresh, window)
             except MalformedTask as exc:
                 rejected.append(exc)
                 continue

@@ -433,10 +433,14 @@ class MongoStore:
         names: Sequence[str] | None = None,
         fresh: bool = False,
         window: Window | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Claim | None:
         scope: Doc = {}
+        among = [key] if key is not None else None if keys is None else list(keys)
         if key is not None:
             scope[f.KEY] = key
+        elif among is not None:
+            scope[f.KEY] = {"$in": among}
         if names is not None:
             scope[f.NAME] = {"$in": list(names)}
         if window is not None:
@@ -447,7 +451,6 @@ class MongoStore:
         # general one when it misses: a miss means the task changed, and the caller looks again.
         query = x.fresh_claimable(worker_id) if fresh else x.claimable(worker_id)
         update = x.fresh_claim(worker_id, run_id) if fresh else x.claim(worker_id, run_id)
-        keys = None if key is None else [key]
         try:
             with mapped_errors():
                 doc = _decoded(
@@ -456,7 +459,7 @@ class MongoStore:
                     )
                 )
         except StoreUnavailable as exc:  # it may have landed, even after the driver's retry
-            claimed = await self._recover_now(worker_id, [run_id], keys, exc)
+            claimed = await self._recover_now(worker_id, [run_id], among, exc)
             if claimed.rejected:
                 raise claimed.rejected[0] from exc
             return claimed.claims[0] if claimed.claims else None
