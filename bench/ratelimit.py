@@ -38,6 +38,7 @@ import asyncio
 import bisect
 import statistics
 import time
+import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,7 +47,7 @@ from common import add_common_args, emit
 from processes import Processes, dev_server, stop_and_count, wait_until
 from versus import cpu_hog
 
-from taskrunner import Task, TaskRunner, TaskState
+from taskrunner import NoLiveWorkerWarning, Task, TaskRunner, TaskState
 from taskrunner.gates import parse_rate
 
 Midway = Callable[[TaskRunner], Awaitable[None]]
@@ -71,7 +72,9 @@ async def run_once(
         async with TaskRunner(uri, collection=collection) as runner:
             await runner.init()
             if limit:
-                await runner.limit(name, **limit)
+                with warnings.catch_warnings():  # set before its workers start, on purpose
+                    warnings.simplefilter("ignore", NoLiveWorkerWarning)
+                    await runner.limit(name, **limit)
             names = [f"w{i}" for i in range(args.workers)]
             for worker in names:
                 procs.worker(worker, env={"TASKRUNNER_COUNT_ROUNDTRIPS": "1"})

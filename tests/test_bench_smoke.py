@@ -411,7 +411,7 @@ def test_cli_startup_smoke(tmp_path: Path) -> None:
     """``cli_startup.py --smoke`` reports the CPU of `--help`, `show` and their baselines, and the margins."""
     result = run_bench("cli_startup.py", "--smoke", results=tmp_path / "results.jsonl", timeout=120)
     assert result["bench"] == "cli_startup" and result["config"] == {"repeat": 2}
-    for name in ("typer", "libraries", "help", "show"):
+    for name in ("typer", "libraries", "used", "show_imports", "help", "show"):
         assert len(result["runs"][name]) == 2 and result[f"{name}_cpu_s"] > 0
     assert result["help_over_typer_s"] == pytest.approx(
         result["help_cpu_s"] - result["typer_cpu_s"], abs=1e-3
@@ -419,4 +419,5 @@ def test_cli_startup_smoke(tmp_path: Path) -> None:
     assert result["show_over_libraries_s"] == pytest.approx(
         result["show_cpu_s"] - result["libraries_cpu_s"], abs=1e-3
     )
+    assert result["show_over_used_s"] == pytest.approx(result["show_cpu_s"] - result["used_cpu_s"], abs=1e-3)
     assert isinstance(result["help_within_margin"], bool) and isinstance(result["show_within_margin"], bool)
