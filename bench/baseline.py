@@ -43,7 +43,10 @@ from throughput import throughput_figures
 DATABASE, COLLECTION = "baseline", "baseline"
 CLAIM_INDEX = [("state", 1), ("priority", -1), ("created_at", 1)]
 IDLE_SLEEP = 0.1
-JOBS = {"findAndModify": "claim", "update": "run_writes"}  # as taskrunner.roundtrips.JOBS names them
+JOBS = {
+    "findAndModify": "claim",
+    "update": "run_writes",
+}  # as taskrunner.observability.roundtrips.JOBS names them
 Doc = dict[str, Any]
 
 

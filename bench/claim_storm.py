@@ -22,10 +22,10 @@ from common import add_common_args, emit, int_list
 
 from taskrunner import TaskContext, TaskRunner
 from taskrunner.dev.server import EmbeddedServer
-from taskrunner.logs import configure_logging
+from taskrunner.engine.worker import Worker
+from taskrunner.observability.logs import configure_logging
 from taskrunner.store.base import Claim
 from taskrunner.store.mongo import MongoStore
-from taskrunner.worker import Worker
 
 COLLECTION = "storm"
 

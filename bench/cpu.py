@@ -1,7 +1,7 @@
 """Engine overhead: worker CPU time per no-op task, with the in-memory store (no network, no server).
 
 Publishes N no-op tasks into a ``MemoryStore`` **before** the timer starts (publishing
-is excluded), then runs one in-process ``taskrunner.worker.Worker`` with C slots
+is excluded), then runs one in-process ``taskrunner.engine.worker.Worker`` with C slots
 until every task is SUCCESS and divides the ``time.process_time()`` delta (this
 process, all threads; nothing subtracted) by N. What it counts is the whole
 worker: discovery (startup scan and change events), claim queue, claims, runs,
@@ -35,8 +35,8 @@ from typing import Any
 from common import add_common_args, emit, int_list
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
-from taskrunner.logs import configure_logging
-from taskrunner.worker import Worker
+from taskrunner.engine.worker import Worker
+from taskrunner.observability.logs import configure_logging
 
 
 class TimedMemoryStore(MemoryStore):

@@ -48,7 +48,7 @@ from versus import cpu_hog
 from taskrunner import TaskRunner
 from taskrunner.dashboard import serve_dashboard
 from taskrunner.dev.processes import free_port
-from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.observability.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
 
 COLLECTION = "dashboard"

@@ -36,10 +36,10 @@ from typing import Any
 
 from pymongo import MongoClient
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
 from taskrunner.store import expressions as x
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.base import Listing
 from taskrunner.store.mongo import CLAIM_SORT, _listing_queries
 

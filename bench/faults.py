@@ -44,7 +44,7 @@ from processes import Processes, dev_server, wait_until
 from pymongo import AsyncMongoClient
 
 from taskrunner import TaskRunner, TaskState
-from taskrunner.follow import MIN_LIFE
+from taskrunner.engine.follow import MIN_LIFE
 
 COLLECTION = "faults"
 SCENARIOS = ("ends", "stepdown", "lose", "none")

@@ -30,10 +30,10 @@ from pymongo import monitoring
 
 from taskrunner import TaskContext, TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
-from taskrunner.logs import configure_logging
-from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.engine.worker import Worker
+from taskrunner.observability.logs import configure_logging
+from taskrunner.observability.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
-from taskrunner.worker import Worker
 
 COLLECTION = "heartbeat"
 PING_INTERVAL, PING_TIMEOUT = 0.5, 3.0

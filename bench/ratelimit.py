@@ -48,7 +48,7 @@ from processes import Processes, dev_server, stop_and_count, wait_until
 from versus import cpu_hog
 
 from taskrunner import NoLiveWorkerWarning, Task, TaskRunner, TaskState
-from taskrunner.gates import parse_rate
+from taskrunner.limits.gates import parse_rate
 
 Midway = Callable[[TaskRunner], Awaitable[None]]
 

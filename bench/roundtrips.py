@@ -29,11 +29,11 @@ from pymongo import AsyncMongoClient
 
 from taskrunner import TaskContext, TaskRunner
 from taskrunner.dev.server import EmbeddedServer
-from taskrunner.logs import configure_logging
+from taskrunner.engine.worker import Worker
 from taskrunner.models import TaskState
-from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.observability.logs import configure_logging
+from taskrunner.observability.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
-from taskrunner.worker import Worker
 
 COLLECTION = "roundtrips"
 WORKER_WRITES = ("claim", "run_writes")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from taskrunner._version import __version__ as __version__
 
 if TYPE_CHECKING:  # the names as mypy and the API reference see them
     from taskrunner.context import TaskContext
+    from taskrunner.engine.worker import Worker
     from taskrunner.errors import (
         ConfigurationError,
         DocumentTooLarge,
@@ -32,9 +33,8 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         WaitTimeout,
         WriteRejected,
     )
-    from taskrunner.gates import Limit
-    from taskrunner.limits import LimitState
-    from taskrunner.logs import configure_logging
+    from taskrunner.limits.gates import Limit
+    from taskrunner.limits.state import LimitState
     from taskrunner.models import (
         EntryState,
         NewTask,
@@ -50,12 +50,12 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         WorkerEntry,
         WorkerInfo,
     )
-    from taskrunner.preflight import ServerCheck, ServerInfo
+    from taskrunner.observability.logs import configure_logging
     from taskrunner.runner import TaskRunner
-    from taskrunner.schedules import Schedule, ScheduleState, ScheduleView
+    from taskrunner.schedules.model import Schedule, ScheduleState, ScheduleView
     from taskrunner.store.memory import MemoryStore
+    from taskrunner.store.preflight import ServerCheck, ServerInfo
     from taskrunner.sync import SyncTaskRunner
-    from taskrunner.worker import Worker
     from taskrunner.worker_options import WorkerOptions
 
 # Each public name is imported on first use (PEP 562), not with the package: the
@@ -70,8 +70,8 @@ _EXPORTS = {
     "InvalidSchedule": "taskrunner.errors",
     "InvalidState": "taskrunner.errors",
     "InvalidTask": "taskrunner.errors",
-    "Limit": "taskrunner.gates",
-    "LimitState": "taskrunner.limits",
+    "Limit": "taskrunner.limits.gates",
+    "LimitState": "taskrunner.limits.state",
     "MalformedTask": "taskrunner.errors",
     "MemoryStore": "taskrunner.store.memory",
     "NewTask": "taskrunner.models",
@@ -80,12 +80,12 @@ _EXPORTS = {
     "RateLimited": "taskrunner.errors",
     "Retry": "taskrunner.errors",
     "RunnerClosed": "taskrunner.errors",
-    "Schedule": "taskrunner.schedules",
+    "Schedule": "taskrunner.schedules.model",
     "ScheduleNotFound": "taskrunner.errors",
-    "ScheduleState": "taskrunner.schedules",
-    "ScheduleView": "taskrunner.schedules",
-    "ServerCheck": "taskrunner.preflight",
-    "ServerInfo": "taskrunner.preflight",
+    "ScheduleState": "taskrunner.schedules.model",
+    "ScheduleView": "taskrunner.schedules.model",
+    "ServerCheck": "taskrunner.store.preflight",
+    "ServerInfo": "taskrunner.store.preflight",
     "ServerTooOld": "taskrunner.errors",
     "StoreError": "taskrunner.errors",
     "StoreUnavailable": "taskrunner.errors",
@@ -104,12 +104,12 @@ _EXPORTS = {
     "TaskStats": "taskrunner.models",
     "UnknownTaskName": "taskrunner.errors",
     "WaitTimeout": "taskrunner.errors",
-    "Worker": "taskrunner.worker",
+    "Worker": "taskrunner.engine.worker",
     "WorkerEntry": "taskrunner.models",
     "WorkerInfo": "taskrunner.models",
     "WorkerOptions": "taskrunner.worker_options",
     "WriteRejected": "taskrunner.errors",
-    "configure_logging": "taskrunner.logs",
+    "configure_logging": "taskrunner.observability.logs",
 }
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from taskrunner.errors import Retry
-from taskrunner.logs import get_logger
-from taskrunner.sizes import fit_progress
+from taskrunner.observability.logs import get_logger
+from taskrunner.store.sizes import fit_progress
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from taskrunner.errors import InvalidParams, InvalidTask, UnknownHandler
-from taskrunner.gates import Limit
+from taskrunner.limits.gates import Limit
 from taskrunner.models import NewTask, invalid_task
 
 Handler = Callable[..., Any]

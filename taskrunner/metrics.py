@@ -19,8 +19,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "(pip install 'taskrunner[metrics]')"
     ) from exc
 
+from taskrunner.engine.observe import Outcome
 from taskrunner.models import Task, WorkerEntry
-from taskrunner.observe import Outcome
 
 __all__ = ["PICKUP_BUCKETS", "RUN_BUCKETS", "PrometheusObserver", "serve_metrics"]
 

@@ -26,9 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from taskrunner import fields as f
-from taskrunner import sizes
 from taskrunner.errors import InvalidTask, MalformedTask
+from taskrunner.store import fields as f
+from taskrunner.store import sizes
 
 
 class TaskState(enum.StrEnum):

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
-from taskrunner import fields as f
-from taskrunner import fleet, preflight
+from taskrunner.engine import fleet
+from taskrunner.engine.follow import StreamEnds
 from taskrunner.errors import (
     ChangeStreamEnded,
     InvalidSchedule,
@@ -27,11 +27,9 @@ from taskrunner.errors import (
     UnknownTaskName,
     WaitTimeout,
 )
-from taskrunner.follow import StreamEnds
-from taskrunner.gates import Limit, check_max_running, parse_rate
 from taskrunner.handlers import Handlers, Registration, plain_params
-from taskrunner.limits import ALL, LimitState
-from taskrunner.logs import get_logger
+from taskrunner.limits.gates import Limit, check_max_running, parse_rate
+from taskrunner.limits.state import ALL, LimitState
 from taskrunner.models import (
     NewTask,
     Task,
@@ -42,12 +40,15 @@ from taskrunner.models import (
     WorkerInfo,
     invalid_task,
 )
-from taskrunner.preflight import ServerCheck
-from taskrunner.schedules import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
+from taskrunner.observability.logs import get_logger
+from taskrunner.schedules.model import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
+from taskrunner.store import fields as f
+from taskrunner.store import preflight
+from taskrunner.store.preflight import ServerCheck
 from taskrunner.worker_options import WorkerOptions
 
 if TYPE_CHECKING:
-    from taskrunner.observe import WorkerObserver
+    from taskrunner.engine.observe import WorkerObserver
     from taskrunner.store.base import ChangeStream, Store
     from taskrunner.sync import SyncTaskRunner
 
@@ -532,8 +533,8 @@ class TaskRunner:
         forwards the terminal's) are the same request, not a ``KeyboardInterrupt`` in the
         middle of giving claims back.
         """
-        from taskrunner.interrupts import sigint_once
-        from taskrunner.worker import Worker
+        from taskrunner.engine.interrupts import sigint_once
+        from taskrunner.engine.worker import Worker
 
         worker = Worker(self, options, observer=observer, **fields)
         runner = asyncio.create_task(worker.run())
@@ -627,7 +628,7 @@ def _check_option_names(names: Iterable[str]) -> None:
 class _Following:
     """``wait``'s view of one task: its change stream (``Store.watch(key=...)``), and a read
     of the task at least every step. A stream the server ends is reopened at once, the task
-    read again, and the end logged once (``taskrunner.follow``); without a stream (none on
+    read again, and the end logged once (``taskrunner.engine.follow``); without a stream (none on
     the server, or it cannot be followed) the reads alone still honour the timeout."""
 
     def __init__(self, store: Store, key: str) -> None:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskrunner.errors import RunnerClosed, WaitTimeout
 from taskrunner.models import SyncTask, Task
-from taskrunner.preflight import ServerCheck
 from taskrunner.store.memory import MemoryStore
+from taskrunner.store.preflight import ServerCheck
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner

@@ -14,8 +14,8 @@ from pydantic import (
     model_validator,
 )
 
-from taskrunner import sizes
 from taskrunner.errors import ConfigurationError
+from taskrunner.store import sizes
 
 
 class WorkerOptions(BaseModel):

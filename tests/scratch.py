@@ -14,7 +14,7 @@ from uuid import uuid4
 
 from pymongo import MongoClient
 
-from taskrunner import fields as f
+from taskrunner.store import fields as f
 
 TEST_MONGO_URI = "TASKRUNNER_TEST_MONGO_URI"
 STORE_DATABASE = "taskrunner_test"

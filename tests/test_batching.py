@@ -12,11 +12,11 @@ from typing import Any
 from test_engine_units import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
-from taskrunner.heartbeat import Heartbeat, Lease
+from taskrunner.engine.heartbeat import Heartbeat, Lease
+from taskrunner.engine.worker import Worker
+from taskrunner.engine.writes import RunWrites
 from taskrunner.store.base import Claim, Claimed, RunResult, RunStatus, RunWrite
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
-from taskrunner.writes import RunWrites
 
 
 class CountingStore(MemoryStore):

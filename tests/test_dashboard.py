@@ -13,7 +13,6 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
-from taskrunner import fields as f
 from taskrunner.dashboard import create_app, serve_dashboard
 from taskrunner.dashboard.hub import Hub
 from taskrunner.dashboard.server import exposure_warning
@@ -21,6 +20,7 @@ from taskrunner.dashboard.snapshots import EXPIRES_IN, Snapshots
 from taskrunner.errors import NoLiveWorkerWarning, StoreError
 from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
+from taskrunner.store import fields as f
 from taskrunner.store.base import Listed, Listing, Store
 from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore

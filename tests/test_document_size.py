@@ -1,5 +1,5 @@
 """MongoDB stores no document over 16 MiB: taskrunner budgets each task's document for every
-run its options allow (``taskrunner/sizes.py``), refuses at publish what cannot fit, records a
+run its options allow (``taskrunner/store/sizes.py``), refuses at publish what cannot fit, records a
 result or an error that would not fit as a clear failure, and takes every server's "too
 large" answer as ``DocumentTooLarge``."""
 
@@ -22,16 +22,17 @@ from pymongo import errors as pe
 from scratch import drop_collection, new_collection
 from workers import WorkerPool, WorkerProcess, finished
 
-from taskrunner import DocumentTooLarge, NewTask, TaskRunner, TaskState, WorkerOptions, rules, sizes
-from taskrunner import fields as f
+from taskrunner import DocumentTooLarge, NewTask, TaskRunner, TaskState, WorkerOptions
 from taskrunner.dev.server import EmbeddedServer
+from taskrunner.engine.execution import error_of
+from taskrunner.engine.worker import default_worker_id
 from taskrunner.errors import ConfigurationError, InvalidTask, PartialBulkWrite, StoreError
-from taskrunner.execution import error_of
 from taskrunner.models import EntryState
+from taskrunner.store import fields as f
+from taskrunner.store import rules, sizes
 from taskrunner.store.base import RunStatus, RunWrite
 from taskrunner.store.mongo import MongoStore, mapped_errors
 from taskrunner.testing import make_context, wait_for
-from taskrunner.worker import default_worker_id
 
 Doc = dict[str, Any]
 LATEST = datetime(9999, 12, 31, tzinfo=UTC)

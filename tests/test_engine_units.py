@@ -12,12 +12,12 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
-from taskrunner.claimqueue import ClaimQueue
+from taskrunner.engine.claim_queue import ClaimQueue
+from taskrunner.engine.worker import Worker
 from taskrunner.errors import ChangeStreamsUnsupported, StoreUnavailable
 from taskrunner.models import WorkerInfo
 from taskrunner.store.base import ChangeStream, Page
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 
 def test_queue_keeps_one_entry_per_key_in_time_order() -> None:

@@ -1,4 +1,4 @@
-"""Fleet-wide limits (taskrunner.gates, taskrunner.gatekeeper): workers lease lanes and
+"""Fleet-wide limits (taskrunner.limits.gates, taskrunner.limits.gatekeeper): workers lease lanes and
 running slots and start tasks on them; exact sliding windows and running caps whatever
 their clocks, with claims that come late or never and workers that die holding leases.
 Driven by a memory store on a simulated server clock."""
@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from taskrunner import TaskContext, TaskRunner, TaskState
-from taskrunner.claimqueue import Due
+from taskrunner.engine.claim_queue import Due
+from taskrunner.engine.execution import Execution, Stop
+from taskrunner.engine.worker import Worker, owned_buckets
 from taskrunner.errors import InvalidTask, StoreUnavailable
-from taskrunner.execution import Execution, Stop
-from taskrunner.gatekeeper import GateKeeper
-from taskrunner.gates import (
+from taskrunner.limits.gatekeeper import GateKeeper
+from taskrunner.limits.gates import (
     EPOCH,
     FENCE,
     IDLE,
@@ -34,11 +35,10 @@ from taskrunner.gates import (
     lease_end,
     parse_rate,
 )
-from taskrunner.rules import bucket_of
 from taskrunner.store.base import Claim, Window
 from taskrunner.store.memory import MemoryStore
+from taskrunner.store.rules import bucket_of
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker, owned_buckets
 
 T0 = datetime(2026, 11, 24, tzinfo=UTC)
 NAME = "call_api"

@@ -1,4 +1,4 @@
-"""Every hot-path query the store sends has an index in ``taskrunner.fields`` that serves it.
+"""Every hot-path query the store sends has an index in ``taskrunner.store.fields`` that serves it.
 
 The embedded server cannot show query plans, so this checks the index definitions
 against the filters and sorts the store builds, by MongoDB's planner rules;
@@ -30,10 +30,10 @@ from typing import Any, Literal
 
 import pytest
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.models import TaskState
 from taskrunner.store import expressions as x
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.base import Listing
 from taskrunner.store.mongo import CLAIM_SORT, _listing_queries
 

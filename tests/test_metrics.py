@@ -134,7 +134,7 @@ def test_core_imports_and_cli_fails_clearly_without_prometheus_client(tmp_path: 
     """Without prometheus-client the core imports, and --metrics-port exits 1 naming taskrunner[metrics]."""
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "import taskrunner, taskrunner.cli, taskrunner.worker\n"
+        "import taskrunner, taskrunner.cli, taskrunner.engine.worker\n"
         "sys.argv = ['taskrunner', 'worker', '--app', 'apps.acceptance_app:runner', '--metrics-port', '0']\n"
         "taskrunner.cli.main()\n"
     )

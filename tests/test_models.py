@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from taskrunner import InvalidTask, MalformedTask, NewTask, Task, TaskOptions, rules
-from taskrunner import fields as f
-from taskrunner.redact import redact
-from taskrunner.store import expressions
+from taskrunner import InvalidTask, MalformedTask, NewTask, Task, TaskOptions
+from taskrunner.observability.redact import redact
+from taskrunner.store import expressions, rules
+from taskrunner.store import fields as f
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -19,15 +19,15 @@ from scratch import STORE_DATABASE
 from structlog.testing import capture_logs
 
 from taskrunner import MalformedTask, TaskContext, TaskRunner, TaskState
-from taskrunner import fields as f
 from taskrunner.dashboard import pages
+from taskrunner.engine.worker import Worker
 from taskrunner.errors import ClaimUnconfirmed, StoreUnavailable
 from taskrunner.models import NewTask
 from taskrunner.store import expressions as x
+from taskrunner.store import fields as f
 from taskrunner.store.base import Listing
 from taskrunner.store.mongo import MongoStore, _listing_queries
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo
 

@@ -36,17 +36,17 @@ from typing import Any
 import pytest
 import runs
 
-import taskrunner.worker as worker_module
-from taskrunner import fields as f
-from taskrunner import rules
+import taskrunner.engine.worker as worker_module
 from taskrunner.context import TaskContext
+from taskrunner.engine.worker import Worker
 from taskrunner.errors import StoreUnavailable
 from taskrunner.models import EntryState, NewTask, TaskState
 from taskrunner.runner import TaskRunner
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.base import ChangeEvent, ChangeStream, Page, Store
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo
 Params = dict[str, Any]
@@ -384,7 +384,7 @@ async def test_gap_09_sweeps_reach_every_task_and_keep_due_keys(runner: TaskRunn
     w = worker(runner, "w1")
     sweeps = count_sweeps(runner)
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr("taskrunner.worker.SWEEP_LIMIT", 3)
+    monkeypatch.setattr("taskrunner.engine.worker.SWEEP_LIMIT", 3)
     try:
         async with running(w):
             await wait_for(lambda: sorted(order) == keys)

@@ -22,9 +22,9 @@ from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
 from taskrunner import EntryState, SyncTask, Task, TaskError, TaskRunner, TaskState, WorkerInfo
-from taskrunner import fields as f
 from taskrunner.cli import app
 from taskrunner.errors import NoLiveWorkerWarning, TaskNotFound, WaitTimeout
+from taskrunner.store import fields as f
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
 

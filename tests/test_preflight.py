@@ -1,4 +1,4 @@
-"""The start-up check (taskrunner.preflight): server replies judged, the worker's and
+"""The start-up check (taskrunner.store.preflight): server replies judged, the worker's and
 init's reactions, and what the embedded server and a real MongoDB answer."""
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from typer.testing import CliRunner
 
 from taskrunner import MemoryStore, ServerCheck, ServerInfo, ServerTooOld, TaskContext, TaskRunner
 from taskrunner.cli import app
+from taskrunner.engine.worker import Worker
 from taskrunner.errors import StoreUnavailable
-from taskrunner.preflight import (
+from taskrunner.store.base import ChangeStream
+from taskrunner.store.mongo import MongoStore
+from taskrunner.store.preflight import (
     CHANGE_STREAM,
     LOWEST_TESTED,
     MINIMUM,
@@ -29,11 +32,8 @@ from taskrunner.preflight import (
     read_server,
     worker_needs,
 )
-from taskrunner.preflight import check as preflight_check
-from taskrunner.store.base import ChangeStream
-from taskrunner.store.mongo import MongoStore
+from taskrunner.store.preflight import check as preflight_check
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 DB = "taskrunner"
 POLLING = "polling for tasks every 5 s instead"

@@ -11,10 +11,10 @@ import pytest
 import structlog
 
 from taskrunner import Fail, MemoryStore, RateLimited, Retry, TaskContext, TaskOptions, TaskRunner, TaskState
-from taskrunner.limits import LimitWatch
-from taskrunner.retries import delay
+from taskrunner.engine.retries import delay
+from taskrunner.engine.worker import Worker
+from taskrunner.limits.watch import LimitWatch
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 
 def test_setting_only_retry_backoff_keeps_a_fixed_delay() -> None:

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-from taskrunner import TaskRunner, roundtrips
+from taskrunner import TaskRunner
 from taskrunner.cli.worker import count_roundtrips
-from taskrunner.roundtrips import RoundTripCounter
+from taskrunner.observability import roundtrips
+from taskrunner.observability.roundtrips import RoundTripCounter
 from taskrunner.store.mongo import MongoStore
 
 

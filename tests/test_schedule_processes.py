@@ -19,7 +19,7 @@ from workers import WorkerPool
 
 from taskrunner import TaskRunner
 from taskrunner.cli import app
-from taskrunner.recurrence import iso
+from taskrunner.schedules.recurrence import iso
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo

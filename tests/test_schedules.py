@@ -11,8 +11,8 @@ from pydantic import BaseModel
 
 from taskrunner import TaskContext, TaskRunner
 from taskrunner.errors import InvalidSchedule, InvalidTask
-from taskrunner.recurrence import due, parse, tick_key
-from taskrunner.schedules import Scheduler
+from taskrunner.schedules.recurrence import due, parse, tick_key
+from taskrunner.schedules.scheduler import Scheduler
 from taskrunner.store.memory import MemoryStore
 
 PARIS = "Europe/Paris"

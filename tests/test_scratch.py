@@ -8,7 +8,7 @@ import pytest
 from pymongo import MongoClient
 from scratch import STORE_DATABASE, TEST_MONGO_URI, drop_collection, new_collection
 
-from taskrunner import fields as f
+from taskrunner.store import fields as f
 
 pytestmark = pytest.mark.embedded
 

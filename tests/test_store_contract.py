@@ -35,7 +35,7 @@ from taskrunner.errors import (
     ScheduleNotFound,
 )
 from taskrunner.models import WorkerInfo
-from taskrunner.schedules import declare
+from taskrunner.schedules.model import declare
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,

@@ -35,10 +35,10 @@ from pymongo import MongoClient, UpdateOne
 from pymongo.collection import Collection
 from scratch import STORE_DATABASE, TEST_MONGO_URI, drop_collection, new_collection
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.models import EntryState, NewTask, TaskOptions, TaskState
 from taskrunner.store import expressions as x
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.memory import MemoryStore
 
 pytestmark = [pytest.mark.mongo]

@@ -19,7 +19,8 @@ import pytest
 from pymongo import AsyncMongoClient
 from workers import ChangeRecorder, WorkerPool, finished, wait_exit
 
-from taskrunner import EntryState, NewTask, TaskRunner, TaskState, WorkerEntry, rules
+from taskrunner import EntryState, NewTask, TaskRunner, TaskState, WorkerEntry
+from taskrunner.store import rules
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo

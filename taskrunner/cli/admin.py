@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from taskrunner import fields as f
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail, seconds
+from taskrunner.store import fields as f
 
 if TYPE_CHECKING:
-    from taskrunner.preflight import ServerCheck
     from taskrunner.runner import TaskRunner
+    from taskrunner.store.preflight import ServerCheck
 
 
 def _retention(text: str) -> float:

@@ -103,7 +103,7 @@ app = typer_app(help="Background tasks as readable MongoDB documents.", no_args_
 
 def _print_version(given: bool) -> None:
     if given:
-        from taskrunner import __version__
+        from taskrunner._version import __version__
 
         print(f"taskrunner {__version__}")
         raise typer.Exit()

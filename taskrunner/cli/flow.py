@@ -10,15 +10,15 @@ from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail
 
 if TYPE_CHECKING:
-    from taskrunner.gates import Limit
-    from taskrunner.limits import LimitState
+    from taskrunner.limits.gates import Limit
+    from taskrunner.limits.state import LimitState
     from taskrunner.runner import TaskRunner
 
 Name = Annotated[str | None, typer.Argument(metavar="NAME", help="Task name.")]
 
 
 def _pause_target(name: str | None, every: bool) -> str:
-    from taskrunner.limits import ALL
+    from taskrunner.limits.state import ALL
 
     if name is None and every:
         return ALL
@@ -45,7 +45,7 @@ def pause_command(
     connection: Connection,
 ) -> None:
     """Stop workers claiming tasks of NAME (or of every name) within a second; running tasks finish, publishing goes on."""
-    from taskrunner.limits import ALL
+    from taskrunner.limits.state import ALL
 
     target = _pause_target(name, every)
     call(connection, lambda runner: runner.pause(target, force=force))
@@ -62,7 +62,7 @@ def resume_command(
 ) -> None:
     """Let workers claim NAME again (--all: lift every pause, of any name and the global one)."""
     from taskrunner.cli import render
-    from taskrunner.limits import ALL
+    from taskrunner.limits.state import ALL
 
     target = _pause_target(name, every)
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
-from taskrunner import fields as f
 from taskrunner.errors import NoLiveWorkerWarning, TaskRunnerError
+from taskrunner.store import fields as f
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
@@ -42,7 +42,7 @@ AppRef = Annotated[
 
 def fail(message: str) -> NoReturn:
     from taskrunner.cli.render import stderr
-    from taskrunner.redact import redact
+    from taskrunner.observability.redact import redact
 
     stderr().print(f"error: {redact(message)}", markup=False)
     raise typer.Exit(1)

@@ -21,9 +21,9 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from taskrunner.limits import ALL
+from taskrunner.limits.state import ALL
 from taskrunner.models import EntryState, Task, TaskState, TaskStats, WorkerInfo
-from taskrunner.schedules import ScheduleView
+from taskrunner.schedules.model import ScheduleView
 
 PIPED_WIDTH = 10_000  # no line limit: rich needs a number
 

@@ -6,7 +6,7 @@ its runs, the server and the demo clean up; a second signal (an impatient Ctrl-C
 the process on the spot.
 
 One request to stop often arrives as several signals within milliseconds
-(``taskrunner.interrupts``): signals within ``REPEAT_AFTER`` of the first are that same
+(``taskrunner.engine.interrupts``): signals within ``REPEAT_AFTER`` of the first are that same
 request; only a later one is a person asking again (taking any second signal as "stop
 now" would kill a worker started by ``uv run`` before it gives its claims back).
 """
@@ -22,7 +22,7 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from taskrunner.cli.render import stderr
-from taskrunner.interrupts import REPEAT_AFTER
+from taskrunner.engine.interrupts import REPEAT_AFTER
 
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -13,10 +13,10 @@ from taskrunner.cli.options import Connection, connected, fail, run, seconds
 from taskrunner.errors import TaskRunnerError
 
 if TYPE_CHECKING:
-    from taskrunner.observe import WorkerObserver
-    from taskrunner.roundtrips import RoundTripCounter
+    from taskrunner.engine.observe import WorkerObserver
+    from taskrunner.engine.worker import Worker
+    from taskrunner.observability.roundtrips import RoundTripCounter
     from taskrunner.runner import TaskRunner
-    from taskrunner.worker import Worker
 
 
 class LogFormatChoice(enum.StrEnum):
@@ -135,7 +135,7 @@ def worker(
     connection: Connection,
 ) -> None:
     """Run tasks: claim, heartbeat and finish them until SIGTERM/SIGINT (another one a second later or more: exit at once)."""
-    from taskrunner.logs import configure_logging
+    from taskrunner.observability.logs import configure_logging
 
     try:
         configure_logging(log_format.value, log_level)
@@ -168,7 +168,7 @@ def worker(
 def _make_worker(runner: TaskRunner, observer: WorkerObserver | None, **options: Any) -> Worker:
     """The one place the command builds its ``Worker``: the same ``WorkerOptions`` model
     that ``Worker`` and ``TaskRunner.run_worker`` take (a bad value names the option)."""
-    from taskrunner.worker import Worker
+    from taskrunner.engine.worker import Worker
     from taskrunner.worker_options import WorkerOptions
 
     return Worker(runner, WorkerOptions(**options), observer=observer)
@@ -196,7 +196,7 @@ def _stopping(process: Worker, signum: signal.Signals) -> None:
 
 def count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter | None]:
     """With TASKRUNNER_COUNT_ROUNDTRIPS=1, give the runner a store that counts its commands."""
-    from taskrunner import roundtrips
+    from taskrunner.observability import roundtrips
 
     if not roundtrips.enabled():
         return runner, None
@@ -214,7 +214,7 @@ def count_roundtrips(runner: TaskRunner) -> tuple[TaskRunner, RoundTripCounter |
 
 
 def _log_roundtrips(worker_id: str, counter: RoundTripCounter) -> None:
-    from taskrunner.logs import get_logger
+    from taskrunner.observability.logs import get_logger
 
     counts = counter.snapshot()
     get_logger("taskrunner.worker").info(
@@ -229,7 +229,7 @@ def _log_roundtrips(worker_id: str, counter: RoundTripCounter) -> None:
 
 def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserver:
     """Start the Prometheus endpoint and return the observer that feeds it (docs/metrics.md)."""
-    from taskrunner.logs import get_logger
+    from taskrunner.observability.logs import get_logger
 
     try:
         from taskrunner.metrics import PrometheusObserver, serve_metrics

@@ -34,7 +34,7 @@ from taskrunner.dashboard.security import (
 from taskrunner.dashboard.snapshots import Read, Snapshots
 from taskrunner.errors import TaskNotFound, TaskRunnerError
 from taskrunner.models import TaskState
-from taskrunner.redact import redact
+from taskrunner.observability.redact import redact
 from taskrunner.runner import TaskRunner
 
 HERE = Path(__file__).parent

@@ -13,7 +13,7 @@ page takes as possibly its own.
 A stream the server ends is reopened at once and the pages told to read anew (they may
 have missed changes meanwhile); one that cannot be followed (no change streams on the
 server, or failing) makes the hub poll the newest ``updated_at`` once a second while it
-retries the stream with capped backoff (``taskrunner.follow``).
+retries the stream with capped backoff (``taskrunner.engine.follow``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
-from taskrunner import fields as f
+from taskrunner.engine.follow import StreamEnds
+from taskrunner.engine.outage import Outage
 from taskrunner.errors import ChangeStreamEnded, StoreError, StoreUnavailable
-from taskrunner.follow import StreamEnds
-from taskrunner.logs import get_logger
-from taskrunner.outage import Outage
+from taskrunner.observability.logs import get_logger
+from taskrunner.store import fields as f
 from taskrunner.store.base import ChangeEvent, Listing, Store
 
 log = get_logger("taskrunner.dashboard")

@@ -8,13 +8,13 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from taskrunner import fields as f
 from taskrunner.dashboard.snapshots import EXPIRES_IN
 from taskrunner.errors import InvalidTask
-from taskrunner.gates import GateDoc
-from taskrunner.limits import LimitState
+from taskrunner.limits.gates import GateDoc
+from taskrunner.limits.state import LimitState
 from taskrunner.models import EntryState, Task, TaskState
 from taskrunner.runner import TaskRunner
+from taskrunner.store import fields as f
 from taskrunner.store.base import Listing, Position, format_position, parse_position
 
 PAGE_SIZE = 50

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from taskrunner.logs import get_logger
+from taskrunner.observability.logs import get_logger
 
 FRESH_SECONDS = 1.0
 MAX_AGE = 5.0

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any
 
 import taskrunner
-from taskrunner import fields as f
+from taskrunner.store import fields as f
 
 PACKAGE_ROOT = Path(taskrunner.__file__).resolve().parents[1]
 

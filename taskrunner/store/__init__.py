@@ -1,7 +1,7 @@
-"""Stores: the database seam (``base``), MongoDB (``mongo``) and its in-memory twin (``memory``)."""
+"""The database seam: the ``Store`` protocol (``base``), MongoDB (``mongo``) and its
+in-memory twin (``memory``), the task rules written twice, in Python (``rules``) and as
+MongoDB expressions (``expressions``), field and index names (``fields``), the document
+budget (``sizes``), the validator and the start-up check (``preflight``).
 
-from __future__ import annotations
-
-from taskrunner.store.base import ChangeEvent, Claim, Store
-
-__all__ = ["ChangeEvent", "Claim", "Store"]
+Nothing is imported here: the CLI reads ``fields`` for its help without loading the store.
+"""

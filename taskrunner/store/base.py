@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
-from taskrunner import fields as f
 from taskrunner.errors import InvalidTask, MalformedTask, StoreError
-from taskrunner.limits import LimitState
+from taskrunner.limits.state import LimitState
 from taskrunner.models import (
     NewTask,
     PinnedAway,
@@ -28,8 +27,9 @@ from taskrunner.models import (
     WorkerEntry,
     WorkerInfo,
 )
-from taskrunner.preflight import ServerInfo
-from taskrunner.schedules import Schedule, ScheduleState
+from taskrunner.schedules.model import Schedule, ScheduleState
+from taskrunner.store import fields as f
+from taskrunner.store.preflight import ServerInfo
 
 Window = tuple[datetime, datetime]
 """Server times between which a claim may happen (both included)."""
@@ -232,7 +232,7 @@ class ChangeStream(Protocol):
     The server may end a stream (MongoDB does after an invalidate: the collection or its
     database dropped or renamed); ``next`` then raises ``ChangeStreamEnded``, never returns
     None at once for ever. Open a new stream without this one's token and read again what
-    it followed (``taskrunner.follow``)."""
+    it followed (``taskrunner.engine.follow``)."""
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
@@ -408,7 +408,7 @@ class Store(Protocol):
 
     async def server_info(self) -> ServerInfo | None:
         """The server's version, topology and this connection's privileges (the start-up
-        check, ``taskrunner.preflight``); None when no server is behind the store."""
+        check, ``taskrunner.store.preflight``); None when no server is behind the store."""
 
     async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
         """Register or refresh a worker, live for ``ttl`` seconds (server time).
@@ -451,7 +451,7 @@ class Store(Protocol):
         """A stream whose events say only that some limits document changed (workers then
         read them again); raises ``ChangeStreamsUnsupported`` when the server has none.
         Its ``next`` may wait for the server longer than asked (a getMore's await): await
-        it across several waits rather than cancel it (``taskrunner.follow.Reading``)."""
+        it across several waits rather than cancel it (``taskrunner.engine.follow.Reading``)."""
 
     async def throttle(self, name: str, seconds: float, *, gate: str | None = None) -> None:
         """Start no task of ``name`` for ``seconds`` from server now (``RateLimited``); a
@@ -467,7 +467,7 @@ class Store(Protocol):
         """Record the limits an app's code declares for ``name`` (shown to operators)."""
 
     async def read_gate(self, gate: str) -> dict[str, Any] | None:
-        """The stored gate document (``taskrunner.gates``), or None."""
+        """The stored gate document (``taskrunner.limits.gates``), or None."""
 
     async def gates(self, names: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
         """The stored gate documents of ``names`` (at most ``limit``), for operators."""

@@ -1,11 +1,11 @@
-"""MongoDB filters and update pipelines that implement ``taskrunner.rules`` on the server.
+"""MongoDB filters and update pipelines that implement ``taskrunner.store.rules`` on the server.
 
 Every lease time is ``$$NOW``: the server's clock, never a worker's. Each builder that
 reads the clock takes it as ``now`` (default ``$$NOW``, what the store sends; a test
 passes a date, the same one it gives the Python twin). Each write recomputes the summary
 fields in the same atomic update (``summarize``).
 
-The twin of ``taskrunner.rules``: each rule has one name in both modules (the naming
+The twin of ``taskrunner.store.rules``: each rule has one name in both modules (the naming
 scheme is in that module's docstring), and ``tests/test_twins.py`` runs each pair on
 generated documents and compares (docs/design.md, "One set of rules, twice").
 ``normalize`` is written here in two parts, ``normalize`` and its ``mark``.
@@ -21,10 +21,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.models import EntryState, TaskState
-from taskrunner.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE, STAMPED, STATES, marked_error
+from taskrunner.store import fields as f
+from taskrunner.store import rules
+from taskrunner.store.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE, STAMPED, STATES, marked_error
 
 Expr = Any
 NOW = "$$NOW"

@@ -1,7 +1,7 @@
 """``MemoryStore``: the in-process twin of ``MongoStore`` for tests and prototypes.
 
 It keeps raw documents, so it can also hold malformed ones a test inserts by
-hand, and runs ``taskrunner.rules`` with MongoDB's comparison semantics. Every
+hand, and runs ``taskrunner.store.rules`` with MongoDB's comparison semantics. Every
 operation completes without awaiting, which makes each one atomic on the loop.
 """
 
@@ -20,8 +20,6 @@ from typing import Any
 import bson
 from bson import ObjectId
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
@@ -33,7 +31,7 @@ from taskrunner.errors import (
     ScheduleNotFound,
     TaskNotFound,
 )
-from taskrunner.limits import LimitState, readable_limit
+from taskrunner.limits.state import LimitState, readable_limit
 from taskrunner.models import (
     EntryState,
     NewTask,
@@ -45,9 +43,9 @@ from taskrunner.models import (
     WorkerInfo,
     to_utc,
 )
-from taskrunner.preflight import ServerInfo
-from taskrunner.schedules import Schedule, ScheduleState
-from taskrunner.sizes import MAX_DOCUMENT_BYTES
+from taskrunner.schedules.model import Schedule, ScheduleState
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,
@@ -64,6 +62,8 @@ from taskrunner.store.base import (
     due_page,
     page_of,
 )
+from taskrunner.store.preflight import ServerInfo
+from taskrunner.store.sizes import MAX_DOCUMENT_BYTES
 
 Doc = dict[str, Any]
 _Change = tuple[int, EventKind, str | None, Doc | None, Doc | None, Any]

@@ -26,8 +26,6 @@ from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
 
-from taskrunner import fields as f
-from taskrunner import rules
 from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
@@ -48,7 +46,7 @@ from taskrunner.errors import (
     TaskNotFound,
     WriteRejected,
 )
-from taskrunner.limits import LimitState, readable_limit
+from taskrunner.limits.state import LimitState, readable_limit
 from taskrunner.models import (
     EntryState,
     NewTask,
@@ -59,10 +57,11 @@ from taskrunner.models import (
     TaskStats,
     WorkerInfo,
 )
-from taskrunner.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
-from taskrunner.redact import redact
-from taskrunner.schedules import Schedule, ScheduleState
+from taskrunner.observability.redact import redact
+from taskrunner.schedules.model import Schedule, ScheduleState
 from taskrunner.store import expressions as x
+from taskrunner.store import fields as f
+from taskrunner.store import rules
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,
@@ -80,6 +79,7 @@ from taskrunner.store.base import (
     due_page,
     page_of,
 )
+from taskrunner.store.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
 from taskrunner.store.validator import json_schema
 
 Doc = dict[str, Any]
@@ -234,7 +234,7 @@ class MongoStore:
         """A store on its own client; ``timeout`` bounds server selection and connects.
 
         ``event_listeners`` (opt-in) are PyMongo monitoring listeners, e.g.
-        ``taskrunner.roundtrips.RoundTripCounter``.
+        ``taskrunner.observability.roundtrips.RoundTripCounter``.
         """
         extra: dict[str, Any] = {"event_listeners": list(event_listeners)} if event_listeners else {}
         try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from taskrunner import fields as f
 from taskrunner.models import EntryState, TaskState
+from taskrunner.store import fields as f
 
 
 def _entry_schema() -> dict[str, Any]:

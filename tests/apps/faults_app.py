@@ -3,7 +3,7 @@
 Handlers record ``start``/``finish``/``cancelled`` marks like tests/apps/acceptance_app.py
 (``$ACCEPTANCE_MARKS/<worker_id>.jsonl``). ``FAULTS_CLOCK_SKEW`` (seconds) shifts this
 process's ``time.time`` at import, the way a badly set machine clock would (``faketime``
-is not available): ``taskrunner.worker.time`` is the ``time`` module, so the worker's
+is not available): ``taskrunner.engine.worker.time`` is the ``time`` module, so the worker's
 clock estimate and everything else that reads wall time in the process is off by it.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-import taskrunner.worker
+import taskrunner.engine.worker
 from apps.acceptance_app import mark
 from taskrunner import TaskContext, TaskRunner
 
@@ -29,7 +29,7 @@ def _skewed_time() -> float:
 
 
 if SKEW:
-    assert vars(taskrunner.worker)["time"] is time  # the worker reads this very function
+    assert vars(taskrunner.engine.worker)["time"] is time  # the worker reads this very function
     time.time = _skewed_time
 
 runner = TaskRunner()

@@ -23,8 +23,9 @@ from pymongo.errors import WriteError
 from scratch import drop_collection, new_collection
 from workers import WorkerPool, WorkerProcess, finished
 
-from taskrunner import NewTask, TaskRunner, TaskState, rules
+from taskrunner import NewTask, TaskRunner, TaskState
 from taskrunner.errors import InvalidParams, InvalidTask, WriteRejected
+from taskrunner.store import rules
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo

@@ -29,9 +29,9 @@ from workers import ChangeRecorder, WorkerPool, WorkerProcess
 
 from taskrunner import EntryState, InvalidTask, NewTask, Task, TaskContext, TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
+from taskrunner.engine.worker import Worker
 from taskrunner.store.memory import MemoryStore
 from taskrunner.testing import wait_for
-from taskrunner.worker import Worker
 
 pytestmark = pytest.mark.mongo
 

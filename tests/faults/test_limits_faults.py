@@ -28,7 +28,7 @@ from workers import WorkerPool, WorkerProcess
 from faults.proxy import FaultProxy
 from taskrunner import EntryState, Task, TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
-from taskrunner.gates import gate_id
+from taskrunner.limits.gates import gate_id
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.mongo

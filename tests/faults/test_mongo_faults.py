@@ -32,7 +32,7 @@ from pymongo import AsyncMongoClient
 from workers import WorkerPool, WorkerProcess, dev_server, wait_exit
 
 from taskrunner import EntryState, Task, TaskRunner, TaskState
-from taskrunner.follow import MIN_LIFE
+from taskrunner.engine.follow import MIN_LIFE
 from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.embedded

@@ -22,10 +22,11 @@ from pymongo import AsyncMongoClient
 from workers import TESTS_DIR, WorkerPool, wait_exit
 
 import taskrunner
-from taskrunner import NewTask, TaskRunner, TaskState, rules
+from taskrunner import NewTask, TaskRunner, TaskState
 from taskrunner.dev.processes import free_port
-from taskrunner.execution import Execution, error_of
-from taskrunner.redact import redact
+from taskrunner.engine.execution import Execution, error_of
+from taskrunner.observability.redact import redact
+from taskrunner.store import rules
 from taskrunner.store.memory import MemoryStore
 from taskrunner.testing import wait_for
 

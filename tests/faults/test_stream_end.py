@@ -26,12 +26,12 @@ from workers import WorkerPool, wait_exit
 
 from taskrunner import MemoryStore, TaskRunner, TaskState
 from taskrunner.dashboard.hub import Hub
-from taskrunner.discovery import Discovery
+from taskrunner.engine.discovery import Discovery
+from taskrunner.engine.follow import ENDED, MIN_LIFE, StreamEnds
+from taskrunner.engine.outage import Outage
 from taskrunner.errors import ChangeHistoryLost, ChangeStreamEnded, StoreError
-from taskrunner.follow import ENDED, MIN_LIFE, StreamEnds
-from taskrunner.limits import LimitWatch
+from taskrunner.limits.watch import LimitWatch
 from taskrunner.models import Task
-from taskrunner.outage import Outage
 from taskrunner.store.base import ChangeEvent, ChangeStream
 from taskrunner.store.mongo import MongoStore, mapped_errors
 from taskrunner.testing import wait_for

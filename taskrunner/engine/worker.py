@@ -32,9 +32,14 @@ from contextlib import suppress
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from taskrunner import __version__, preflight, rules
-from taskrunner.claimqueue import ClaimQueue, Due
-from taskrunner.discovery import Discovery
+from taskrunner._version import __version__
+from taskrunner.engine.claim_queue import ClaimQueue, Due
+from taskrunner.engine.discovery import Discovery
+from taskrunner.engine.execution import Execution, Stop
+from taskrunner.engine.heartbeat import Heartbeat
+from taskrunner.engine.observe import NullObserver, WorkerObserver
+from taskrunner.engine.outage import Outage
+from taskrunner.engine.writes import RunWrites
 from taskrunner.errors import (
     ClaimUnconfirmed,
     ConfigurationError,
@@ -43,22 +48,18 @@ from taskrunner.errors import (
     StoreError,
     TaskRunnerError,
 )
-from taskrunner.execution import Execution, Stop
-from taskrunner.fields import BUCKETS
-from taskrunner.gatekeeper import GateKeeper
-from taskrunner.gates import Limit, Permit, dealt_to
-from taskrunner.heartbeat import Heartbeat
-from taskrunner.limits import LimitWatch
-from taskrunner.logs import get_logger
+from taskrunner.limits.gatekeeper import GateKeeper
+from taskrunner.limits.gates import Limit, Permit, dealt_to
+from taskrunner.limits.watch import LimitWatch
 from taskrunner.models import Task, TaskState, WorkerInfo
-from taskrunner.observe import NullObserver, WorkerObserver
-from taskrunner.outage import Outage
-from taskrunner.redact import redact
-from taskrunner.schedules import Scheduler
-from taskrunner.sizes import MAX_WORKER_ID_BYTES
+from taskrunner.observability.logs import get_logger
+from taskrunner.observability.redact import redact
+from taskrunner.schedules.scheduler import Scheduler
+from taskrunner.store import preflight, rules
 from taskrunner.store.base import Claim, Claimed, Store, Window
+from taskrunner.store.fields import BUCKETS
+from taskrunner.store.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.worker_options import WorkerOptions
-from taskrunner.writes import RunWrites
 
 if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
@@ -377,7 +378,7 @@ class Worker:
             self.log.info("worker stopped")
 
     async def _check_server(self) -> None:
-        """The start-up check (taskrunner.preflight): a server too old raises ``ServerTooOld``;
+        """The start-up check (taskrunner.store.preflight): a server too old raises ``ServerTooOld``;
         each problem is one warning; without change streams the worker polls from the start.
         A server away or refusing the check's commands leaves the worker as it was."""
         needs = preflight.worker_needs(
@@ -918,12 +919,12 @@ class Worker:
                 self._clock_outage.failed(exc)  # the next sync is a minute away anyway
 
     async def _limits_loop(self) -> None:
-        """Follow the limit documents of this worker's names (taskrunner.limits)."""
+        """Follow the limit documents of this worker's names (taskrunner.limits.state)."""
         outage = Outage(self.log, "cannot read the limits; retrying", "limits readable again", cap=3.0)
         await self.limits.run(self._stop, outage)
 
     async def _schedule_loop(self) -> None:
-        """Fire the app's schedules (taskrunner.schedules), once the peers are known."""
+        """Fire the app's schedules (taskrunner.schedules.model), once the peers are known."""
         await self._peers_known.wait()
         scheduler = Scheduler(
             self.store,

@@ -38,7 +38,7 @@ class Due:
     name: str = ""
     """The task's name (flow control drops the entries of a paused name)."""
     gate: str = ""
-    """The task's gate when its name has fleet-wide limits (``taskrunner.gates``), else ""."""
+    """The task's gate when its name has fleet-wide limits (``taskrunner.limits.gates``), else ""."""
     since: float = 0.0
     """When the task became claimable for this worker (server time): ``at`` is later
     once the entry was put back to look again."""

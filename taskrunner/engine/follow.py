@@ -9,7 +9,7 @@ dashboard's hub) then does the same: it opens a new stream *without* the old res
 cover the gap, and logs ``change stream ended`` once, with the reason. A new stream that
 ends again within ``MIN_LIFE`` of being opened, before one of its getMores came back, is a
 stream that cannot be followed: the consumer polls instead, as on a server without change
-streams, and retries the stream with capped backoff (``taskrunner.outage.Outage``: one
+streams, and retries the stream with capped backoff (``taskrunner.engine.outage.Outage``: one
 warning when that starts). A reopened stream that lived longer was following: its getMore
 waits seconds for events, and the server may end it meanwhile (another drop, a rename),
 which is one more end, logged and reopened like the first.

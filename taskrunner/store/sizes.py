@@ -32,7 +32,7 @@ from typing import Any
 
 import bson
 
-from taskrunner import fields as f
+from taskrunner.store import fields as f
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 """MongoDB's limit on a stored document (``maxBsonObjectSize``)."""

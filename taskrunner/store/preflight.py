@@ -24,13 +24,10 @@ import enum
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
-from taskrunner import fields as f
 from taskrunner.errors import ServerTooOld
-
-if TYPE_CHECKING:
-    from taskrunner.store.base import Store
+from taskrunner.store import fields as f
 
 MINIMUM: Final = (4, 4, 2)
 """The oldest server taskrunner runs on: ``$unionWith`` and ``$isNumber`` are 4.4, the
@@ -260,7 +257,13 @@ def _namespace(database: str, collection: str) -> str:
     return f"{database}.{collection}" if collection else f"database {database}"
 
 
-async def check(store: Store, database: str, needs: Needs, *, polling: str) -> ServerCheck:
+class ServerReader(Protocol):
+    """What the check reads the server through: a ``Store`` (this module is below it)."""
+
+    async def server_info(self) -> ServerInfo | None: ...
+
+
+async def check(store: ServerReader, database: str, needs: Needs, *, polling: str) -> ServerCheck:
     """Read the server behind ``store`` (three commands) and ``judge`` it."""
     info = await store.server_info()
     return ServerCheck() if info is None else judge(info, database, needs, polling=polling)

@@ -30,9 +30,9 @@ from typing import Any, overload
 from bson import DatetimeMS
 from pydantic import ValidationError
 
-from taskrunner import fields as f
 from taskrunner.errors import InvalidState, MalformedTask
 from taskrunner.models import EntryState, NewTask, Task, TaskOptions, TaskState
+from taskrunner.store import fields as f
 from taskrunner.store.base import RunStatus
 
 Doc = dict[str, Any]

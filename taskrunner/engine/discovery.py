@@ -13,7 +13,7 @@ is normalized (``Store.normalize``): given its defaults and considered, or marke
 A stream the server ends (MongoDB does after an invalidate: the collection or its
 database dropped or renamed) is reopened at once without its resume token, and a sweep
 covers what was written meanwhile; the worker logs ``change stream ended`` once
-(``taskrunner.follow``). A stream that keeps failing for any reason (no change streams
+(``taskrunner.engine.follow``). A stream that keeps failing for any reason (no change streams
 on the server, not authorized, getMores erroring, ending again at once) degrades the
 worker to polling: one warning, sweeps every ``poll_interval``, and the stream retried
 with capped backoff. A server that is away altogether is one error line per outage and
@@ -28,6 +28,8 @@ from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
+from taskrunner.engine.follow import StreamEnds
+from taskrunner.engine.outage import Outage
 from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
@@ -36,13 +38,11 @@ from taskrunner.errors import (
     TaskNotFound,
     TaskRunnerError,
 )
-from taskrunner.follow import StreamEnds
-from taskrunner.logs import get_logger
 from taskrunner.models import Task
-from taskrunner.outage import Outage
-from taskrunner.redact import redact
-from taskrunner.rules import MALFORMED
+from taskrunner.observability.logs import get_logger
+from taskrunner.observability.redact import redact
 from taskrunner.store.base import ChangeEvent, Store, Unreadable
+from taskrunner.store.rules import MALFORMED
 
 log = get_logger("taskrunner.discovery")
 REPORTED_MAX = 10_000  # unreadable documents remembered so sweeps do not log them again

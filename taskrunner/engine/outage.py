@@ -6,7 +6,7 @@ import random
 import time
 from typing import Any
 
-from taskrunner.redact import redact
+from taskrunner.observability.redact import redact
 
 
 class Outage:

@@ -1,5 +1,5 @@
 """A worker's side of the fleet-wide limits: the lanes and running slots it leases, and
-the permits it makes from them (``taskrunner.gates`` has the arithmetic and the
+the permits it makes from them (``taskrunner.limits.gates`` has the arithmetic and the
 document; docs/limits.md).
 
 Before claiming a task of a limited name the worker needs a permit: one of its leased
@@ -25,9 +25,9 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from taskrunner import fields as f
+from taskrunner.engine.outage import Outage
 from taskrunner.errors import StoreError
-from taskrunner.gates import (
+from taskrunner.limits.gates import (
     FENCE,
     IDLE,
     MARGIN,
@@ -47,11 +47,11 @@ from taskrunner.gates import (
     resize,
     take,
 )
-from taskrunner.logs import get_logger
-from taskrunner.outage import Outage
+from taskrunner.observability.logs import get_logger
+from taskrunner.store import fields as f
 
 if TYPE_CHECKING:
-    from taskrunner.claimqueue import Due
+    from taskrunner.engine.claim_queue import Due
     from taskrunner.store.base import Store
 
 log = get_logger("taskrunner.gates")

@@ -46,7 +46,7 @@ def configure_logging(fmt: LogFormat = DEFAULT_FORMAT, level: str = DEFAULT_LEVE
 
 
 def get_logger(name: str) -> Logger:
-    """taskrunner's logger ``name`` (``taskrunner.worker``, ...): see the module's docstring."""
+    """taskrunner's logger ``name`` (``taskrunner.engine.worker``, ...): see the module's docstring."""
     return Logger(name)
 
 

@@ -19,11 +19,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from taskrunner.engine.outage import Outage
+from taskrunner.engine.writes import RunWrites
 from taskrunner.errors import TaskRunnerError
-from taskrunner.logs import get_logger
-from taskrunner.outage import Outage
+from taskrunner.observability.logs import get_logger
 from taskrunner.store.base import RunStatus, RunWrite
-from taskrunner.writes import RunWrites
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from typing import Any
 
 from pymongo import monitoring
 
-from taskrunner import fields as f
+from taskrunner.store import fields as f
 
 ENV_VAR = "TASKRUNNER_COUNT_ROUNDTRIPS"
 JOBS = ("claim", "run_writes", "discovery", "registry", "clock", "gates", "limits", "other")

@@ -184,7 +184,7 @@ LIMIT_BY: Final = "limit_by"
 DECLARED: Final = "declared"
 """In a limits document: the limits the app's code declares, as its workers last wrote them."""
 
-# -- fleet-wide limits' gates (collection "<tasks collection>.gates"; taskrunner/gates.py) -------
+# -- fleet-wide limits' gates (collection "<tasks collection>.gates"; taskrunner/limits/gates.py) -------
 GATES_SUFFIX: Final = "gates"
 # A gate's VERSION (the registry's field name) counts its writes, for compare-and-set.
 LANES: Final = "lanes"

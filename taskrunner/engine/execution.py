@@ -23,8 +23,11 @@ from typing import Any
 import bson
 from pydantic import BaseModel
 
-from taskrunner import sizes
 from taskrunner.context import TaskContext
+from taskrunner.engine.heartbeat import Heartbeat, Lease
+from taskrunner.engine.observe import NullObserver, WorkerObserver
+from taskrunner.engine.retries import delay as retry_delay
+from taskrunner.engine.writes import RunWrites
 from taskrunner.errors import (
     ClaimLost,
     DocumentTooLarge,
@@ -38,15 +41,12 @@ from taskrunner.errors import (
     UnknownHandler,
 )
 from taskrunner.handlers import Handlers, Registration
-from taskrunner.heartbeat import Heartbeat, Lease
-from taskrunner.logs import get_logger
 from taskrunner.models import Task, TaskError
-from taskrunner.observe import NullObserver, WorkerObserver
-from taskrunner.redact import redact
-from taskrunner.retries import delay as retry_delay
+from taskrunner.observability.logs import get_logger
+from taskrunner.observability.redact import redact
 from taskrunner.runner import TaskRunner
+from taskrunner.store import sizes
 from taskrunner.store.base import Claim, Failure, RunResult, RunStatus, RunWrite, RunWriteKind, Store
-from taskrunner.writes import RunWrites
 
 
 class Stop(enum.Enum):

@@ -1,0 +1,3 @@
+"""Recurring tasks: a schedule's declaration and stored state (``model``), its recurrence
+(cron or interval ticks, ``recurrence``) and the worker side task that fires them
+(``scheduler``)."""
