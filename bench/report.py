@@ -220,7 +220,7 @@ def targets(r: Report) -> None:
         "## Targets",
         "",
         "Round trips per task count the **worker side: claim + heartbeats + finish** "
-        "(`worker_writes_per_task`), as the issue does; all worker commands (discovery, "
+        "(`worker_writes_per_task`), the target's measure; all worker commands (discovery, "
         "registry, clock too: `roundtrips_per_task`) are shown next to it. "
         "Each measured value is the worst configuration's median. Claim batching is on by "
         "default (`taskrunner worker --batch 32`), so both round-trip targets are judged on the "

@@ -170,11 +170,6 @@ class TaskRunner:
         self.schedules[schedule.id] = schedule
         return schedule
 
-    async def list_schedules(self) -> list[ScheduleState | tuple[str, str]]:
-        """Every stored schedule (of any app); an unreadable one as (id, problem)."""
-        stored = await self.store.schedules()
-        return [s if isinstance(s, ScheduleState) else (i, s) for i, s in stored.items()]
-
     async def schedule_overview(self, upcoming: int = 3) -> list[ScheduleView]:
         """Each stored schedule with its next fire times, last task and whether any live
         worker declares it (``taskrunner schedules``)."""
@@ -291,8 +286,8 @@ class TaskRunner:
         """The task stored under ``key``; raises ``TaskNotFound``."""
         return (await self.store.get(key)).bound(self)
 
-    # The issue's API is wait(key, timeout=...), like TaskFlow's job.wait and BullMQ's
-    # waitUntilFinished; asyncio.timeout() around it works too.
+    # wait(key, timeout=...), like TaskFlow's job.wait and BullMQ's waitUntilFinished;
+    # asyncio.timeout() around it works too.
     async def wait(
         self,
         key: str,

@@ -14,6 +14,7 @@ from pydantic import (
     model_validator,
 )
 
+from taskrunner import worker_defaults as defaults
 from taskrunner.errors import ConfigurationError
 from taskrunner.store import sizes
 
@@ -24,21 +25,21 @@ class WorkerOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    concurrency: int = Field(10, ge=1)
+    concurrency: int = Field(defaults.CONCURRENCY, ge=1)
     """Handlers that run at once in this worker (its slots)."""
     worker_id: str | None = Field(None, min_length=1)
     """The id in task entries and the worker registry; None: ``host-pid-random``, fresh per start."""
-    shutdown_timeout: float = Field(0.5, ge=0)
+    shutdown_timeout: float = Field(defaults.SHUTDOWN_TIMEOUT, ge=0)
     """Seconds running handlers get on stop before they are cancelled and their claims released."""
-    poll_interval: float = Field(5.0, gt=0)
+    poll_interval: float = Field(defaults.POLL_INTERVAL, gt=0)
     """Seconds between sweeps when polling (``discovery="poll"``, or a server without change streams)."""
-    beat_interval: float = Field(2.0, gt=0)
+    beat_interval: float = Field(defaults.BEAT_INTERVAL, gt=0)
     """Seconds between beats into the worker registry; an entry expires five intervals after its last."""
-    batch: int = Field(32, ge=1)
+    batch: int = Field(defaults.BATCH, ge=1)
     """Most tasks one claim round trip may take when slots are free (1: one at a time)."""
-    discovery: Literal["stream", "poll"] = "stream"
+    discovery: Literal["stream", "poll"] = defaults.DISCOVERY
     """How the worker hears of new tasks: the change stream, or a sweep every ``poll_interval``."""
-    queue_capacity: int = Field(10_000, ge=1)
+    queue_capacity: int = Field(defaults.QUEUE_CAPACITY, ge=1)
     """Claim-queue entries kept; past it the farthest 10 % are dropped (sweeps find them again)."""
     drain: bool = False
     """Stop gracefully once nothing runs here and nothing is claimable now: tasks due later

@@ -12,7 +12,7 @@ from typing import Any
 from test_engine_units import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
-from taskrunner.engine.heartbeat import Heartbeat, Lease
+from taskrunner.engine.heartbeat import Heartbeat, RunLease
 from taskrunner.engine.worker import Worker
 from taskrunner.engine.writes import RunWrites
 from taskrunner.store.base import Claim, Claimed, RunResult, RunStatus, RunWrite
@@ -111,7 +111,7 @@ async def test_a_shared_renewal_stops_exactly_the_runs_it_lost() -> None:
         return lambda status: ended.__setitem__(key, status)
 
     for key, claim in claims.items():
-        heartbeat.add(Lease(key, claim.run_id, 0.1, 5.0, ender(key)))
+        heartbeat.add(RunLease(key, claim.run_id, 0.1, 5.0, ender(key)))
     await store.release("a", claims["a"].run_id)
     await runner.cancel("b")
     await wait_for(lambda: len(ended) == 2, what="two runs to end")
@@ -144,7 +144,7 @@ async def test_a_lease_that_cannot_be_renewed_fences_itself_after_ping_timeout()
         return lambda status: ended.__setitem__(key, (status, loop.time() - start))
 
     for claim, timeout in zip(claims, (0.3, 0.6), strict=True):
-        heartbeat.add(Lease(claim.task.key, claim.run_id, 0.1, timeout, ender(claim.task.key)))
+        heartbeat.add(RunLease(claim.task.key, claim.run_id, 0.1, timeout, ender(claim.task.key)))
     await wait_for(lambda: len(ended) == 2, what="both runs to fence themselves")
     assert {k: v[0] for k, v in ended.items()} == {"a": None, "b": None}
     # Not before its own timeout (a busy machine may only make each later, never earlier).

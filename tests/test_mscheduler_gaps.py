@@ -1,4 +1,4 @@
-"""One test per gap of the Rust crate mscheduler (docs: /work/shared/design/prior-art.md),
+"""One test per shortcoming of the Rust crate mscheduler (docs/guarantees.md, "Compared with mscheduler"),
 each proving taskrunner does not have it.
 
 1. ``run_time`` is stored but never read: delayed tasks run at once.

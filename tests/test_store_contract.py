@@ -24,7 +24,6 @@ from taskrunner import (
     TaskNotFound,
     TaskOptions,
     TaskState,
-    rules,
 )
 from taskrunner.errors import (
     ChangeHistoryLost,
@@ -36,6 +35,7 @@ from taskrunner.errors import (
 )
 from taskrunner.models import WorkerInfo
 from taskrunner.schedules.model import declare
+from taskrunner.store import rules
 from taskrunner.store.base import (
     ChangeEvent,
     ChangeStream,

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
 
 T = TypeVar("T")
-NO_SCHEDULES = "no schedules (workers store their app's at start)"
 ScheduleId = Annotated[str, typer.Argument(metavar="ID", help="Schedule id.")]
 
 schedules_app = typer_app(

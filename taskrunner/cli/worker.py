@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from taskrunner import worker_defaults as defaults
 from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, connected, fail, run, seconds
 from taskrunner.errors import TaskRunnerError
@@ -29,6 +30,9 @@ class DiscoveryChoice(enum.StrEnum):
     poll = "poll"
 
 
+DEFAULT_DISCOVERY = DiscoveryChoice(defaults.DISCOVERY)
+
+
 @command(app)
 @connected(timeout=10.0)
 def worker(
@@ -43,7 +47,7 @@ def worker(
     ],
     concurrency: Annotated[
         int, typer.Option(envvar="TASKRUNNER_CONCURRENCY", help="Handlers in flight.")
-    ] = 10,
+    ] = defaults.CONCURRENCY,
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -58,7 +62,7 @@ def worker(
             metavar="DURATION",
             help="How long running handlers may finish after SIGTERM before their claims are released.",
         ),
-    ] = 0.5,
+    ] = defaults.SHUTDOWN_TIMEOUT,
     poll_interval: Annotated[
         float,
         typer.Option(
@@ -67,14 +71,14 @@ def worker(
             metavar="DURATION",
             help="Time between scans for tasks without change streams.",
         ),
-    ] = 5.0,
+    ] = defaults.POLL_INTERVAL,
     discovery: Annotated[
         DiscoveryChoice,
         typer.Option(
             envvar="TASKRUNNER_DISCOVERY",
             help="stream: change streams (polling only if the server has none); poll: always scan.",
         ),
-    ] = DiscoveryChoice.stream,
+    ] = DEFAULT_DISCOVERY,
     batch: Annotated[
         int,
         typer.Option(
@@ -82,7 +86,7 @@ def worker(
             min=1,
             help="Most tasks one claim round trip takes when slots are free.",
         ),
-    ] = 32,
+    ] = defaults.BATCH,
     beat_interval: Annotated[
         float,
         typer.Option(
@@ -91,7 +95,7 @@ def worker(
             metavar="DURATION",
             help="Time between registry beats (an entry lives 5 beats).",
         ),
-    ] = 2.0,
+    ] = defaults.BEAT_INTERVAL,
     drain: Annotated[
         bool,
         typer.Option(

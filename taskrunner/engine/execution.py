@@ -24,7 +24,7 @@ import bson
 from pydantic import BaseModel
 
 from taskrunner.context import TaskContext
-from taskrunner.engine.heartbeat import Heartbeat, Lease
+from taskrunner.engine.heartbeat import Heartbeat, RunLease
 from taskrunner.engine.observe import NullObserver, WorkerObserver
 from taskrunner.engine.retries import delay as retry_delay
 from taskrunner.engine.writes import RunWrites
@@ -284,9 +284,9 @@ class Execution:
             raise TimeoutError(f"handler exceeded its {timeout:g} s timeout") from None
 
     # -- lease --------------------------------------------------------------------------------
-    def _lease(self) -> Lease:
+    def _lease(self) -> RunLease:
         options = self.task.options
-        return Lease(
+        return RunLease(
             self.key,
             self.run_id,
             options.ping_interval,

@@ -27,7 +27,7 @@ from taskrunner.store.base import RunStatus, RunWrite
 
 
 @dataclass(eq=False)
-class Lease:
+class RunLease:
     """What the heartbeat knows of one run: its key, token, timing and how to stop it."""
 
     key: str
@@ -55,13 +55,13 @@ class Heartbeat:
     def __init__(self, writes: RunWrites, worker_id: str) -> None:
         self.writes, self.worker_id = writes, worker_id
         self.log = get_logger("taskrunner.heartbeat").bind(worker_id=worker_id)
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, RunLease] = {}
         self._next = 0.0
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._outage = Outage(self.log, "ping failed; retrying", "ping recovered")
 
-    def add(self, lease: Lease) -> None:
+    def add(self, lease: RunLease) -> None:
         first = not self._leases
         self._leases[lease.run_id] = lease
         tick = time.monotonic() + lease.ping_interval

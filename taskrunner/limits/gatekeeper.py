@@ -33,9 +33,9 @@ from taskrunner.limits.gates import (
     MARGIN,
     Change,
     GateDoc,
+    GateLease,
     HeldLane,
     HeldSlot,
-    Lease,
     Limit,
     Permit,
     dealt,
@@ -107,7 +107,7 @@ class GateKeeper:
         self._runs: dict[str, str] = {}  # run -> the gate whose running slot it holds
         self.limits = dict(limits)
         self.wake = asyncio.Event()
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, GateLease] = {}
         self._docs: dict[str, GateDoc] = {}  # the last reply per gate (a write's first guess)
         self._names: dict[str, str] = {}  # gate -> task name
         self._dealt: dict[tuple[str, str, tuple[str, ...]], tuple[frozenset[int], frozenset[int]]] = {}
@@ -209,7 +209,7 @@ class GateKeeper:
         later: list[tuple[Due, float]],
     ) -> None:
         name = entries[0].name
-        limit, lease = self.limits.get(name), self._leases.setdefault(gate, Lease())
+        limit, lease = self.limits.get(name), self._leases.setdefault(gate, GateLease())
         self._names[gate] = name
         lease.wanted = now
         throttled = self._throttled_until(gate)
@@ -262,12 +262,12 @@ class GateKeeper:
             self._dealt[key] = lanes, frozenset(slots)
         return self._dealt[key]
 
-    def _wants_more(self, gate: str, lease: Lease, limit: Limit, name: str) -> bool:
+    def _wants_more(self, gate: str, lease: GateLease, limit: Limit, name: str) -> bool:
         """Whether some lane or slot dealt to it is not its own yet."""
         lanes, slots = self._mine(gate, limit, name)
         return bool(lanes - set(lease.lanes)) or bool(slots - set(lease.slots))
 
-    def _wait_times(self, lease: Lease, limit: Limit, count: int, now: float) -> list[float]:
+    def _wait_times(self, lease: GateLease, limit: Limit, count: int, now: float) -> list[float]:
         """When each of ``count`` waiting tasks should look again: when a lane of this
         worker opens for it; when a slot of its own frees (``opened`` wakes it then, this
         is only a fallback); else when asking the gate again may give more."""
@@ -350,7 +350,7 @@ class GateKeeper:
         return max(stored or 0.0, mine + UNREAD)
 
     # -- the gate documents ----------------------------------------------------------------------
-    async def _ask(self, gate: str, name: str, lease: Lease, limit: Limit, waiting: int) -> None:
+    async def _ask(self, gate: str, name: str, lease: GateLease, limit: Limit, waiting: int) -> None:
         """Take the free lanes and slots dealt to this worker."""
         lanes, slots = self._mine(gate, limit, name)
         mine = lanes - set(lease.lanes), slots - set(lease.slots)
@@ -373,12 +373,12 @@ class GateKeeper:
         lease.retry = self.now() + wait * random.uniform(0.8, 1.2)
         self.counts.update(asks=1, empty=not gained)
 
-    async def _renew(self, gate: str, name: str, lease: Lease) -> None:
+    async def _renew(self, gate: str, name: str, lease: GateLease) -> None:
         """Extend the lease of everything held; what was lost meanwhile is forgotten."""
         kept: list[tuple[set[int], set[int], datetime]] = []
 
         def extending(change: Change, now: datetime) -> None:
-            probe = Lease(dict(lease.lanes), dict(lease.slots))
+            probe = GateLease(dict(lease.lanes), dict(lease.slots))
             renew(change, probe, self.worker_id, now)
             kept[:] = [(set(probe.lanes), set(probe.slots), lease_end(now))]
 
@@ -389,7 +389,7 @@ class GateKeeper:
             self._keep(lease, lanes, slots, until)
         self.counts["renewals"] += 1
 
-    def _keep(self, lease: Lease, lanes: set[int], slots: set[int], until: datetime) -> None:
+    def _keep(self, lease: GateLease, lanes: set[int], slots: set[int], until: datetime) -> None:
         lost = (set(lease.lanes) - lanes, set(lease.slots) - slots)
         if any(lost):
             log.warning(
@@ -414,7 +414,7 @@ class GateKeeper:
         log.warning("stopping a run on a running slot", run_id=run_id, reason=why)
         self.stop_run(run_id)
 
-    def _fence(self, lease: Lease, now: float) -> None:
+    def _fence(self, lease: GateLease, now: float) -> None:
         """Stop every run whose running slot's lease ends within ``FENCE`` by this
         worker's clock: the renewals did not land, so another worker may soon take it."""
         for held in lease.slots.values():
@@ -422,7 +422,9 @@ class GateKeeper:
                 held.fenced = True
                 self._stop(held.run, "its running slot's lease is ending unrenewed")
 
-    async def _release(self, gate: str, name: str, lease: Lease, lanes: set[int], slots: set[int]) -> None:
+    async def _release(
+        self, gate: str, name: str, lease: GateLease, lanes: set[int], slots: set[int]
+    ) -> None:
         """Give back these lanes and slots (none with a claim or a run on it). They start
         nothing while the write is on its way: a claim made on one meanwhile would run on
         a lane or slot the gate may already have handed to another worker."""
@@ -432,7 +434,7 @@ class GateKeeper:
             held.leaving = True
 
         def giving(change: Change, now: datetime) -> None:
-            probe = Lease(dict(lease.lanes), dict(lease.slots))
+            probe = GateLease(dict(lease.lanes), dict(lease.slots))
             release(change, probe, self.worker_id, now, lanes, slots)
             resize(change.work, self.limits.get(name) or Limit(), now)  # past a lowered limit: gone
 
@@ -547,7 +549,7 @@ class GateKeeper:
             raise failed
 
     def _spare(
-        self, gate: str, lease: Lease, limit: Limit, name: str, done: bool, now: float
+        self, gate: str, lease: GateLease, limit: Limit, name: str, done: bool, now: float
     ) -> tuple[set[int], set[int]]:
         """What to give back: everything not in use once done with the gate; else lanes
         and slots past the limit or held since before its limits changed, and, when the

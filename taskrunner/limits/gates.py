@@ -243,7 +243,7 @@ class Permit:
 
 
 @dataclass(slots=True)
-class Lease:
+class GateLease:
     """What one worker holds of one gate, and when it last had a use for it."""
 
     lanes: dict[int, HeldLane] = field(default_factory=dict)
@@ -459,7 +459,7 @@ def take(
     mine: tuple[frozenset[int], frozenset[int]],
     margin: float = MARGIN,
 ) -> tuple[dict[int, HeldLane], dict[int, HeldSlot]]:
-    """Lease the lanes and slots dealt to this worker (``mine``, see ``dealt``) that are
+    """GateLease the lanes and slots dealt to this worker (``mine``, see ``dealt``) that are
     free, until ``now + LEASE``. Only those: a worker with more tasks than its lanes start
     leaves them to the other workers, which take them on with their own lanes, so lanes
     never change hands while their workers live. ``margin``: see ``HeldLane.ready``."""
@@ -495,7 +495,7 @@ def _size(rate: Rate | None) -> int:
     return rate.limit if rate else 0
 
 
-def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
+def renew(change: Change, lease: GateLease, worker: str, now: datetime) -> None:
     """Extend the lease of every lane and slot ``lease`` holds that the gate still names
     this worker the holder of; forget the others (their lease lapsed and someone took
     them, or they were given back). Only this worker writes its own id, so a later
@@ -516,7 +516,7 @@ def renew(change: Change, lease: Lease, worker: str, now: datetime) -> None:
 
 
 def release(
-    change: Change, lease: Lease, worker: str, now: datetime, lanes: set[int], slots: set[int]
+    change: Change, lease: GateLease, worker: str, now: datetime, lanes: set[int], slots: set[int]
 ) -> None:
     """Give back these lanes and slots of ``lease`` that the gate still names this worker
     the holder of (see ``renew``); a lane records its next start."""
