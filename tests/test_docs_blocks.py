@@ -481,7 +481,7 @@ def test_readme_lists_the_pages_in_the_sites_order() -> None:
     """README's documentation list follows mkdocs.yml's nav (publishing first), every docs page once."""
     readme = (ROOT / "README.md").read_text().split("## Documentation", 1)[1]
     listed = re.findall(r"^- \[docs/([\w-]+\.md)\]", readme, re.M)
-    nav = re.findall(r"^  - [^:]+: ([\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    nav = re.findall(r"^\s+- [^:]+: ([\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
     assert listed == [page for page in nav if page != "index.md"]
 
 
