@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from test_engine_units import run_until
+from support import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.engine.heartbeat import Heartbeat, RunLease

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_bench_smoke import run_bench
+from support import run_bench
 
 pytestmark = pytest.mark.embedded
 

@@ -14,29 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import BENCH, run_bench
 
 pytestmark = pytest.mark.embedded
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def run_bench(
-    script: str, *args: str, results: Path, env: dict[str, str] | None = None, timeout: float = 60
-) -> dict[str, Any]:
-    """Run ``bench/<script>`` with ``--results`` in a tmp file; return its one JSON line."""
-    pytest.importorskip("mongoeco")
-    done = subprocess.run(
-        [sys.executable, str(BENCH / script), *args, "--results", str(results)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    line = done.stdout.strip().splitlines()[-1]
-    assert results.read_text().strip().splitlines()[-1] == line
-    result: dict[str, Any] = json.loads(line)
-    return result
 
 
 def test_roundtrips_smoke(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from structlog.testing import capture_logs
+from support import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.engine.claim_queue import ClaimQueue
@@ -69,16 +70,6 @@ def make_runner(store: Any) -> tuple[TaskRunner, list[str]]:
         done.append(ctx.key)
 
     return runner, done
-
-
-async def run_until(worker: Worker, condition: Any, within: float = 20.0) -> None:
-    """Run the worker until ``condition()`` holds, then stop it and wait for it to exit."""
-    running = asyncio.create_task(worker.run())
-    try:
-        await wait_for(condition, within, "the worker to get there", interval=0.02)
-    finally:
-        worker.stop()
-        await running
 
 
 def test_exactly_one_worker_owns_each_task_and_owners_spread() -> None:

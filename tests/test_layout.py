@@ -125,3 +125,19 @@ def test_store_and_features_import_no_public_api_or_engine_above_them() -> None:
         if any(target == b or target.startswith(b + ".") for b in banned)
     ]
     assert wrong == []
+
+
+def test_test_modules_do_not_import_each_other() -> None:
+    """Shared test helpers live in support modules or fixtures, never in another test module."""
+    tests = PACKAGE.parent / "tests"
+    found = [
+        (path.relative_to(tests).as_posix(), target)
+        for path in sorted(tests.rglob("test_*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom | ast.Import)
+        for target in (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+        )
+        if target.rpartition(".")[2].startswith("test_")
+    ]
+    assert found == []

@@ -52,7 +52,7 @@ from taskrunner.store import fields as f
 
 if TYPE_CHECKING:
     from taskrunner.engine.claim_queue import Due
-    from taskrunner.store.base import Store
+    from taskrunner.store.base import LimitStore
 
 log = get_logger("taskrunner.gates")
 TICK = 0.5
@@ -78,7 +78,7 @@ ATTEMPTS = 3
 class GateKeeper:
     def __init__(
         self,
-        store: Store,
+        store: LimitStore,
         worker_id: str,
         now: Callable[[], float],
         limits: dict[str, Limit],

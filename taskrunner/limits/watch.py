@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from taskrunner.engine.follow import Reading, StreamEnds
 from taskrunner.engine.outage import Outage
@@ -17,6 +17,9 @@ from taskrunner.errors import ChangeStreamEnded, StoreError, StoreUnavailable
 from taskrunner.limits.gates import Limit
 from taskrunner.limits.state import ALL, LimitState, limits_in_force, paused_names
 from taskrunner.observability.logs import get_logger
+
+if TYPE_CHECKING:
+    from taskrunner.store.base import LimitStore
 
 log = get_logger("taskrunner.limits")
 POLL_INTERVAL = 0.5  # seconds between a worker's reads of its names' documents without a stream
@@ -32,7 +35,7 @@ class LimitWatch:
 
     def __init__(
         self,
-        store: Any,
+        store: LimitStore,
         names: Sequence[str],
         on_change: Callable[[frozenset[str]], None],
         now: Callable[[], datetime],

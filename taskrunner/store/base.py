@@ -245,9 +245,8 @@ class ChangeStream(Protocol):
     async def close(self) -> None: ...
 
 
-class Store(Protocol):
-    """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
-    implement the same rules, checked by one contract test suite."""
+class TaskStore(Protocol):
+    """Tasks: publish, read, claim, run writes, operate, follow; and the server itself."""
 
     async def init(
         self,
@@ -410,6 +409,42 @@ class Store(Protocol):
         """The server's version, topology and this connection's privileges (the start-up
         check, ``taskrunner.store.preflight``); None when no server is behind the store."""
 
+    async def watch(
+        self,
+        *,
+        resume_after: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        work_for: Sequence[str] | None = None,
+        owned: Mapping[str, Sequence[int]] | None = None,
+        summary: bool = False,
+    ) -> ChangeStream:
+        """Open a stream of change events in commit order, resumable from a token; every
+        event carries its task (a MongoDB server looks each update's document up).
+
+        ``key``: that task's stream, for ``wait``: its inserts and replacements (with the
+        task), its deletes, and its updates that change ``state`` (without the task). The
+        server filters by the document's ``_id`` (read when the stream opens; a key not yet
+        published is matched by its insert, then followed by its ``_id``), so it looks no
+        document up and skips every other task's updates and this task's lease renewals.
+
+        ``work_for`` (task names) makes it a worker's stream: only inserts of those names
+        and wakes (``rules.wakes``), filtered by the server; ``owned`` narrows the inserts
+        of a name to the buckets listed for it (``rules.hears_insert``). Resuming with
+        other ``owned`` buckets loses nothing.
+
+        ``summary``: every change, with no document looked up (the dashboard's): each
+        event's ``doc_id`` and the ``state`` it wrote; inserts and replacements also their
+        ``key``.
+
+        Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
+        ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""
+
+    async def close(self) -> None: ...
+
+
+class RegistryStore(Protocol):
+    """The worker registry (``<collection>.workers``): beats, stop requests, the live workers."""
+
     async def beat(self, worker: WorkerInfo, ttl: float) -> bool:
         """Register or refresh a worker, live for ``ttl`` seconds (server time).
 
@@ -422,6 +457,10 @@ class Store(Protocol):
         """Workers whose registration has not expired."""
 
     async def unregister(self, worker_id: str) -> None: ...
+
+
+class ScheduleStore(Protocol):
+    """Stored schedules (``<collection>.schedules``): declarations, ticks, pauses."""
 
     async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
         """Create or update a schedule's definition (its state, e.g. ``paused``, is kept)."""
@@ -438,6 +477,10 @@ class Store(Protocol):
     async def pause_schedule(self, schedule_id: str, paused: bool) -> ScheduleState:
         """Pause or resume (ticks that came due while paused never fire); raises
         ``ScheduleNotFound``."""
+
+
+class LimitStore(Protocol):
+    """Flow control (``<collection>.limits`` and ``.gates``): pauses, throttles, limits, gate documents."""
 
     async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
         """Stored limit documents by task name (all, or those of ``names`` that exist); an
@@ -479,34 +522,7 @@ class Store(Protocol):
         holds its value (None: null or missing); ``create`` makes the document when
         missing. The document written, or None when an expectation failed."""
 
-    async def watch(
-        self,
-        *,
-        resume_after: Mapping[str, Any] | None = None,
-        key: str | None = None,
-        work_for: Sequence[str] | None = None,
-        owned: Mapping[str, Sequence[int]] | None = None,
-        summary: bool = False,
-    ) -> ChangeStream:
-        """Open a stream of change events in commit order, resumable from a token; every
-        event carries its task (a MongoDB server looks each update's document up).
 
-        ``key``: that task's stream, for ``wait``: its inserts and replacements (with the
-        task), its deletes, and its updates that change ``state`` (without the task). The
-        server filters by the document's ``_id`` (read when the stream opens; a key not yet
-        published is matched by its insert, then followed by its ``_id``), so it looks no
-        document up and skips every other task's updates and this task's lease renewals.
-
-        ``work_for`` (task names) makes it a worker's stream: only inserts of those names
-        and wakes (``rules.wakes``), filtered by the server; ``owned`` narrows the inserts
-        of a name to the buckets listed for it (``rules.hears_insert``). Resuming with
-        other ``owned`` buckets loses nothing.
-
-        ``summary``: every change, with no document looked up (the dashboard's): each
-        event's ``doc_id`` and the ``state`` it wrote; inserts and replacements also their
-        ``key``.
-
-        Raises ``ChangeHistoryLost`` when it cannot resume there (rescan instead) and
-        ``ChangeStreamsUnsupported`` when the server has none (poll instead)."""
-
-    async def close(self) -> None: ...
+class Store(TaskStore, RegistryStore, ScheduleStore, LimitStore, Protocol):
+    """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
+    implement the same rules, checked by one contract test suite."""
