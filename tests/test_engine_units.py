@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from support import run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
-from taskrunner.engine.claim_queue import ClaimQueue
+from taskrunner.engine.claim_queue import ClaimQueue, Place, Rank
 from taskrunner.engine.worker import Worker
 from taskrunner.errors import ChangeStreamsUnsupported, StoreUnavailable
 from taskrunner.models import WorkerInfo
@@ -24,9 +24,9 @@ from taskrunner.testing import wait_for
 def test_queue_keeps_one_entry_per_key_in_time_order() -> None:
     """Re-scheduling a key replaces its entry; due() lists due keys best rank first."""
     queue = ClaimQueue()
-    queue.put("a", 5.0, (1, 0, 1, 0.0))
-    queue.put("b", 3.0, (1, 0, 1, 0.0))
-    queue.put("a", 1.0, (1, -5, 1, 0.0))
+    queue.put("a", 5.0, Rank(Place.OWNED, 0, 1, 0.0))
+    queue.put("b", 3.0, Rank(Place.OWNED, 0, 1, 0.0))
+    queue.put("a", 1.0, Rank(Place.OWNED, -5, 1, 0.0))
     assert len(queue) == 2 and queue.next_at() == 1.0
     assert [d.key for d in queue.due(4.0)] == ["a", "b"]
     queue.discard("a")
@@ -37,7 +37,7 @@ def test_queue_overflow_evicts_the_farthest_and_flags_a_rescan() -> None:
     """Past capacity the farthest keys go and the queue asks for a rescan; the nearest stay."""
     queue = ClaimQueue(capacity=10)
     for i in range(11):
-        queue.put(f"k{i}", float(i), (1, 0, 1, 0.0))
+        queue.put(f"k{i}", float(i), Rank(Place.OWNED, 0, 1, 0.0))
     assert queue.overflowed and len(queue) == 9
     assert [d.key for d in queue.due(100.0)] == [f"k{i}" for i in range(9)]
 
@@ -48,8 +48,8 @@ def test_parked_entries_of_a_gate_wake_best_first_when_a_permit_opens() -> None:
     and says how many; the others stay parked until their time."""
     queue = ClaimQueue()
     for key, priority in (("low", 0), ("high", 9), ("mid", 5), ("gone", 7)):
-        queue.put(key, 1.0, (1, -priority, 1, 0.0), name="job", gate="job")
-    queue.put("other", 1.0, (1, -9, 1, 0.0), name="else", gate="else")
+        queue.put(key, 1.0, Rank(Place.OWNED, -priority, 1, 0.0), name="job", gate="job")
+    queue.put("other", 1.0, Rank(Place.OWNED, -9, 1, 0.0), name="else", gate="else")
     for entry in queue.due(1.0):
         queue.park(entry, 10.0)
     queue.discard("gone")  # claimed meanwhile

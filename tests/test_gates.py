@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from taskrunner import TaskContext, TaskRunner, TaskState
-from taskrunner.engine.claim_queue import Due
+from taskrunner.engine.claim_queue import Due, Place, Rank
 from taskrunner.engine.execution import Execution, Stop
 from taskrunner.engine.worker import Worker, owned_buckets
 from taskrunner.errors import InvalidTask, StoreUnavailable
@@ -105,7 +105,10 @@ class Fleet:
 
     def due(self, count: int, gate: str = NAME) -> list[Due]:
         self.serial += count
-        return [Due(0.0, (1, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, gate) for i in range(count)]
+        return [
+            Due(0.0, Rank(Place.OWNED, 0, 1, 0.0), f"k{self.serial - i}", True, NAME, gate)
+            for i in range(count)
+        ]
 
     async def start(self, keeper: GateKeeper, count: int, delay: float = 0.0) -> list[Permit]:
         """Ask for ``count`` starts; the permits' claims land ``delay`` later."""

@@ -16,10 +16,44 @@ a claim that took nothing) ``wake`` brings the best of them back at once.
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
-Rank = tuple[int, int, int, float]
+
+class Place(enum.IntEnum):
+    """Whose task an entry is, best first."""
+
+    NAMED = 0
+    """The task names this worker (``worker_ids``)."""
+    OWNED = 1
+    """This worker owns it among the live peers, or takes over an orphan."""
+    TAKEN_ON = 2
+    """Another worker owns it; this one starts it with its own permits of the task's gate."""
+
+
+class Rank(NamedTuple):
+    """An entry's preference among the due ones: lower first, field by field."""
+
+    place: Place
+    priority: int
+    """Minus the task's priority (higher priority first)."""
+    takeover: int
+    """0 for a takeover (an expired lease), 1 for a task nobody runs."""
+    created: float
+    """The task's ``created_at`` (POSIX): older first."""
+
+
+class Kind(enum.Enum):
+    """What a claim-queue entry asks the claimer for."""
+
+    TASK = "task"
+    """Claim the task whose key the entry holds."""
+    KEYLESS = "keyless"
+    """One claim without a key: the server picks the best claimable task."""
+    SWEEP = "sweep"
+    """Sweep for tasks (orphans, expired leases, what events missed)."""
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -27,11 +61,9 @@ class Due:
     at: float
     """Server-clock POSIX time the key becomes claimable."""
     rank: Rank
-    """(0 if the task names this worker, 1 if this worker owns it, 2 if another worker
-    does and this one takes it on with its own permits of the task's gate; -priority, 0 if
-    it is a takeover else 1, created_at): lower first. A takeover (an expired lease) goes before new tasks of its
-    priority, as a stalled job does in BullMQ: its run was already under way, and a batch
-    published together shares one created_at, so it would otherwise wait for the batch."""
+    """Lower first. A takeover (an expired lease) goes before new tasks of its priority, as
+    a stalled job does in BullMQ: its run was already under way, and a batch published
+    together shares one created_at, so it would otherwise wait for the batch."""
     key: str
     fresh: bool = False
     """Nobody had run the task when it was queued: claimed with the small update."""
@@ -42,6 +74,8 @@ class Due:
     since: float = 0.0
     """When the task became claimable for this worker (server time): ``at`` is later
     once the entry was put back to look again."""
+    kind: Kind = Kind.TASK
+    """A task's entry, or one of the claimer's own requests (``key`` then names the kind)."""
 
 
 class ClaimQueue:
@@ -71,8 +105,9 @@ class ClaimQueue:
         name: str = "",
         gate: str = "",
         since: float | None = None,
+        kind: Kind = Kind.TASK,
     ) -> None:
-        entry = Due(at, rank, key, fresh, name, gate, at if since is None else since)
+        entry = Due(at, rank, key, fresh, name, gate, at if since is None else since, kind)
         old = self._live.get(key)
         if old == entry:
             return
@@ -90,7 +125,14 @@ class ClaimQueue:
     def again(self, entry: Due, at: float) -> None:
         """Put ``entry`` back for ``at`` (server time), all else as it was."""
         self.put(
-            entry.key, at, entry.rank, fresh=entry.fresh, name=entry.name, gate=entry.gate, since=entry.since
+            entry.key,
+            at,
+            entry.rank,
+            fresh=entry.fresh,
+            name=entry.name,
+            gate=entry.gate,
+            since=entry.since,
+            kind=entry.kind,
         )
 
     def park(self, entry: Due, until: float) -> None:

@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from taskrunner._version import __version__
-from taskrunner.engine.claim_queue import ClaimQueue, Due
+from taskrunner.engine.claim_queue import ClaimQueue, Due, Kind, Place, Rank
 from taskrunner.engine.discovery import Discovery
 from taskrunner.engine.execution import Execution, Stop
 from taskrunner.engine.heartbeat import Heartbeat
@@ -65,10 +65,12 @@ if TYPE_CHECKING:
     from taskrunner.runner import TaskRunner
 
 MAX_MISSES = 2  # claim attempts on a due key the server refuses before it is left to sweeps
-KEYLESS = "\0keyless"  # claim-queue entry for one claim without a key (see Worker.keyless)
-SWEEP = "\0sweep"  # claim-queue entry for the next sweep (see Worker.sweep_at)
-TAKEN_ON = 2  # rank of another worker's task of a limited name queued here (Worker.consider)
-SPECIAL = (KEYLESS, SWEEP)
+KEYLESS = "\0keyless"  # the queue key of the keyless claim's entry (Kind.KEYLESS, see Worker.keyless)
+SWEEP = "\0sweep"  # the queue key of the next sweep's entry (Kind.SWEEP, see Worker.sweep_at)
+REQUEST_RANK = Rank(Place.OWNED, 0, 0, 0.0)
+"""The keyless claim's rank: among this worker's own tasks of priority 0."""
+SWEEP_RANK = Rank(Place.TAKEN_ON, 0, 0, 0.0)
+"""The sweep's rank (it goes first anyway once due: see ``_next_due``)."""
 MIN_BATCH = 3  # a batched claim costs two round trips (update, read back): worth it from three tasks
 CLAIM_AMONG = 8  # keys one claim of a limited name chooses among (the server takes the best still claimable)
 ORPHAN_GRACE = 0.5  # seconds a task's owner has to claim it before any worker's sweep may
@@ -232,7 +234,7 @@ class Worker:
     def keyless(self) -> None:
         """Queue one claim without a key: the server picks the best claimable task, which
         reaches documents no model reads (they are recorded as failed runs, never run)."""
-        self.queue.put(KEYLESS, self.clock.now(), (1, 0, 0, 0.0))
+        self.queue.put(KEYLESS, self.clock.now(), REQUEST_RANK, kind=Kind.KEYLESS)
 
     def sweep_at(self, when: datetime | float | None) -> None:
         """Sweep at ``when`` (server time; None: now) unless a sweep comes sooner."""
@@ -245,7 +247,7 @@ class Worker:
         """Queue ``task`` at the time this worker may claim it, if this worker should:
         ``worker_ids`` name it or it owns the task; a task of a limited name that another
         worker owns, when this one has permits of its gate to take it on with (after its
-        own: ``TAKEN_ON``); with ``steal``, also when its owner let the grace pass. Returns
+        own: ``Place.TAKEN_ON``); with ``steal``, also when its owner let the grace pass. Returns
         whether it was queued."""
         claimable = task.name in self.names and task.name not in self.limits.paused
         # A sweep lists a task whose own lease expires soon; one of this worker's live runs renews it.
@@ -258,21 +260,21 @@ class Worker:
         when = at.timestamp()
         gate = self.gates.gate_of(task.name, task.params)
         pending = task.state is TaskState.PENDING
-        place = 0 if mine else 1 if self.owns(task, gate) else None
+        place = Place.NAMED if mine else Place.OWNED if self.owns(task, gate) else None
         if place is None and gate and pending and self.gates.can_start(gate):
             # A gate's permits are this worker's own and any of them may start any task of
             # the gate: taken on after its own tasks of the gate, a permit of it never idles
             # while the gate's tasks wait on other workers (each claim of a limited name
             # chooses among several keys, so a task another worker started is skipped).
-            place = TAKEN_ON
+            place = Place.TAKEN_ON
         elif (
             place is None and steal and (not pending or not gate) and when + ORPHAN_GRACE <= self.clock.now()
         ):
-            place = 1  # an orphan; a limited name's takeover needs a permit like any start
+            place = Place.OWNED  # an orphan; a limited name's takeover needs a permit like any start
         if place is None:
             return False
         takeover = 0 if task.state is TaskState.RUNNING else 1
-        rank = (place, -task.priority, takeover, task.created_at.timestamp())
+        rank = Rank(place, -task.priority, takeover, task.created_at.timestamp())
         fresh = pending and not task.workers and not task.fatal
         queued = self.queue.get(task.key)
         if gate and queued is not None and (queued.since, queued.rank, queued.gate) == (when, rank, gate):
@@ -440,7 +442,7 @@ class Worker:
             held, claims = 1, []
             try:
                 due = await self._wait_due()
-                if due and due[0].key == SWEEP:
+                if due and due[0].kind is Kind.SWEEP:
                     self._sweep_due = None
                     await self._sweep()
                     continue
@@ -450,7 +452,7 @@ class Worker:
                     # A limited name goes first: claimed with its gate's permits.
                     held += await self._take_free_slots(min(len(gated), self.batch) - 1)
                     claims = await self._claim_gated(gated, held)
-                elif due and due[0].key == KEYLESS:
+                elif due and due[0].kind is Kind.KEYLESS:
                     self.queue.discard(KEYLESS)  # one claim per request, whatever it finds
                     claims = await self._claim(due)
                 else:
@@ -458,7 +460,7 @@ class Worker:
                         await asyncio.sleep(0)  # runs that ended together free their slots first
                         held += await self._take_free_slots(min(len(due), self.batch) - 1)
                     if held >= MIN_BATCH:
-                        claims = await self._claim_batch([d for d in due if d.key not in SPECIAL][:held])
+                        claims = await self._claim_batch([d for d in due if d.kind is Kind.TASK][:held])
                     elif due:
                         claims = await self._claim(due)
             finally:
@@ -483,7 +485,7 @@ class Worker:
             # The sweep goes first when it is due, even with keys of its own due: it is what
             # finds expired leases, which must not wait until this worker's backlog drains.
             if self._sweep_due is not None and self._sweep_due <= now:
-                return [Due(self._sweep_due, (2, 0, 0, 0.0), SWEEP)]
+                return [Due(self._sweep_due, SWEEP_RANK, SWEEP, kind=Kind.SWEEP)]
             due = self.queue.due(now, limit=max(self.batch, MIN_BATCH))
             if due:
                 return due
@@ -545,7 +547,7 @@ class Worker:
         # rendezvous ranks already spread a burst of events over the workers.
         if self._unconfirmed:
             return await self._confirm(1)
-        key = None if due[0].key == KEYLESS else due[0].key
+        key = None if due[0].kind is Kind.KEYLESS else due[0].key
         try:
             claim = await self.store.claim(
                 self.worker_id, key=key, names=self.free_names(), fresh=due[0].fresh
@@ -695,7 +697,8 @@ class Worker:
             among = [entry] + [
                 e
                 for e, _ in later
-                if e.gate == entry.gate and (e.rank[0] == TAKEN_ON) == (entry.rank[0] == TAKEN_ON)
+                if e.gate == entry.gate
+                and (e.rank.place is Place.TAKEN_ON) == (entry.rank.place is Place.TAKEN_ON)
             ]
             claims += await self._claim_among(among[:CLAIM_AMONG], permit)
         for gate in {entry.gate for entry, _ in ready}:
@@ -806,7 +809,7 @@ class Worker:
         others = [t for t in page.tasks if not self.consider(t)]
         self._forget_started({t.key for t in page.tasks}, set(self._gated(names)), now - self.clock.error)
         taken_on = [self.queue.get(t.key) for t in page.tasks]
-        self._elsewhere = {e.gate for e in taken_on if e is not None and e.rank[0] == TAKEN_ON}
+        self._elsewhere = {e.gate for e in taken_on if e is not None and e.rank.place is Place.TAKEN_ON}
         self._steal([t for t in others if t.state is TaskState.RUNNING] if own_work else others)
         await self.discovery.settle(page.unreadable)
         more = page.after is not None and len(self.queue) > before
@@ -823,8 +826,13 @@ class Worker:
             if self.gates.name_of(gate) not in names:
                 continue
             for entry in entries:
-                pending = entry.rank[2] == 1
-                if entry.rank[0] == TAKEN_ON and pending and entry.since < before and entry.key not in listed:
+                pending = entry.rank.takeover == 1
+                if (
+                    entry.rank.place is Place.TAKEN_ON
+                    and pending
+                    and entry.since < before
+                    and entry.key not in listed
+                ):
                     self.queue.discard(entry.key)
 
     def _steal(self, others: list[Task]) -> None:
