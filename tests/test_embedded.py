@@ -418,3 +418,19 @@ def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
         "docs": [{"key": "img:42", "name": "resize", "params": {"width": 640}, "state": "PENDING"}],
         "count": 1,
     }
+
+
+def test_the_server_refuses_another_mongoeco_release_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bridge reaches into mongoeco's internals: on a release other than the pinned one
+    the server does not start, and the error names the release found and the one to install."""
+    from taskrunner.dev import wire
+
+    assert wire.mongoeco_mismatch() is None  # the pinned release is what the suite runs on
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert pyproject.count(f"mongoeco=={wire.MONGOECO_VERSION};") == 2  # the extra and the dev group
+    assert importlib.metadata.version("mongoeco") == wire.MONGOECO_VERSION
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.12.0")
+    with pytest.raises(RuntimeError) as refused:
+        EmbeddedServer()
+    message = str(refused.value)
+    assert "mongoeco 4.12.0 is installed" in message and f"mongoeco=={wire.MONGOECO_VERSION}" in message

@@ -60,7 +60,7 @@ from taskrunner.dev.faults import (
 from taskrunner.dev.replset import ReplicaSet, interrupted, is_hello
 from taskrunner.dev.retryable import RetryableWrites, retryable_write
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
-from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
+from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, mongoeco_mismatch, plain_int
 
 if MONGOECO_AVAILABLE:
     from mongoeco.api import AsyncMongoClient as _EcoClient
@@ -80,6 +80,8 @@ _MISSING_EXTRA = (
 def _require_mongoeco() -> None:
     if not MONGOECO_AVAILABLE:
         raise RuntimeError(_MISSING_EXTRA)
+    if (mismatch := mongoeco_mismatch()) is not None:
+        raise RuntimeError(mismatch)
 
 
 def _with_int64_cursor_id(reply: dict[str, Any]) -> dict[str, Any]:
