@@ -133,10 +133,10 @@ async def _succeeded(runner: TaskRunner, key: str) -> bool:
     return (await runner.get(key)).state is TaskState.SUCCESS
 
 
-# Patterns that would turn data into code; loader.py's importlib serves the operator's --app.
+# Patterns that would turn data into code; loader.py's importlib serves the operator's --app (importlib.metadata reads package versions, no code).
 DANGEROUS = re.compile(
     r"\bpickle\b|\bcPickle\b|\bmarshal\b|\bshelve\b|(?<![\w.])(?:eval|exec|compile)\(|__import__\("
-    r"|\bimportlib\b|\byaml\.(?:unsafe_)?load\(|\bimport_string\b|\bpydoc\.locate\b"
+    r"|\bimportlib\b(?!\.metadata)|\byaml\.(?:unsafe_)?load\(|\bimport_string\b|\bpydoc\.locate\b"
 )
 ALLOWED = {
     ("loader.py", "import importlib"),
