@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from taskrunner._version import __version__ as __version__
 
 if TYPE_CHECKING:  # the names as mypy and the API reference see them
+    from taskrunner.client import TaskClient
     from taskrunner.context import TaskContext
     from taskrunner.engine.worker import Worker
     from taskrunner.errors import (
@@ -93,6 +94,7 @@ _EXPORTS = {
     "SyncTask": "taskrunner.models",
     "SyncTaskRunner": "taskrunner.sync",
     "Task": "taskrunner.models",
+    "TaskClient": "taskrunner.client",
     "TaskContext": "taskrunner.context",
     "TaskError": "taskrunner.models",
     "TaskNotFound": "taskrunner.errors",
@@ -167,6 +169,7 @@ __all__ = [
     "SyncTask",
     "SyncTaskRunner",
     "Task",
+    "TaskClient",
     "TaskContext",
     "TaskError",
     "TaskNotFound",

@@ -10,15 +10,15 @@ from taskrunner.observability.logs import get_logger
 from taskrunner.store.sizes import fit_progress
 
 if TYPE_CHECKING:
-    from taskrunner.runner import TaskRunner
+    from taskrunner.client import TaskClient
 
 
 @dataclass
 class TaskContext:
     """Handed to every handler. ``run_id`` is the claim's fencing token: pass it to
     your own side effects (e.g. a conditional write) so a run that lost its claim
-    cannot act as the owner. ``runner`` is the ``TaskRunner`` running this task:
-    publish follow-up tasks through it (``await ctx.runner.publish(...)``), so they go
+    cannot act as the owner. ``runner`` is the runner running this task (typed
+    ``TaskClient``: all of ``TaskRunner`` but running workers): publish follow-up tasks through it (``await ctx.runner.publish(...)``), so they go
     where this task came from (the worker's database and collection, or a test's
     memory store), whichever runner the handler's module defines."""
 
@@ -30,7 +30,7 @@ class TaskContext:
     logger: Any = field(default=None)
     cancelled: bool = False
     _progress: dict[str, Any] | None = field(default=None, repr=False)
-    runner: TaskRunner = field(kw_only=True, repr=False)
+    runner: TaskClient = field(kw_only=True, repr=False)
     last_progress: dict[str, Any] | None = field(default=None, kw_only=True)
     """The latest ``progress`` reported, sent or not: the outcome write carries it."""
 

@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from taskrunner.errors import RunnerClosed, WaitTimeout
 from taskrunner.models import SyncTask, Task
-from taskrunner.store.memory import MemoryStore
 from taskrunner.store.preflight import ServerCheck
 
 if TYPE_CHECKING:
-    from taskrunner.runner import TaskRunner
+    from taskrunner.client import TaskClient
 
 T = TypeVar("T")
 
@@ -31,11 +30,8 @@ class SyncTaskRunner:
     ``RunnerClosed``.
     """
 
-    def __init__(self, runner: TaskRunner) -> None:
-        # A store's client belongs to the loop that made it, so the facade gets its own
-        # (the in-memory store has no client and is shared, keeping one set of tasks).
-        memory = runner.store if isinstance(runner._store, MemoryStore) else None
-        self._runner = runner.copy(store=memory)
+    def __init__(self, runner: TaskClient) -> None:
+        self._runner = runner.for_another_loop()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="taskrunner-sync", daemon=True)
         self._thread.start()

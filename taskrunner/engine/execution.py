@@ -23,6 +23,7 @@ from typing import Any
 import bson
 from pydantic import BaseModel
 
+from taskrunner.client import TaskClient
 from taskrunner.context import TaskContext
 from taskrunner.engine.heartbeat import Heartbeat, RunLease
 from taskrunner.engine.observe import NullObserver, WorkerObserver
@@ -44,7 +45,6 @@ from taskrunner.handlers import Handlers, Registration
 from taskrunner.models import Task, TaskError
 from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
-from taskrunner.runner import TaskRunner
 from taskrunner.store import sizes
 from taskrunner.store.base import Claim, Failure, RunResult, RunStatus, RunWrite, RunWriteKind, Store
 
@@ -106,8 +106,8 @@ def storable(result: Any, budget: sizes.Budget) -> Any:
     return result
 
 
-def _runner_on(store: Store, handlers: Handlers) -> TaskRunner:
-    runner = TaskRunner(store=store)
+def _runner_on(store: Store, handlers: Handlers) -> TaskClient:
+    runner = TaskClient(store=store)
     runner.handlers = handlers
     return runner
 
@@ -144,7 +144,7 @@ class Execution:
         heartbeat: Heartbeat | None = None,
         throttle: Callable[[Task, float], Awaitable[None]] | None = None,
         holds_slot: Callable[[str], Awaitable[bool]] | None = None,
-        runner: TaskRunner | None = None,
+        runner: TaskClient | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name

@@ -62,7 +62,7 @@ from taskrunner.store.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.worker_options import WorkerOptions
 
 if TYPE_CHECKING:
-    from taskrunner.runner import TaskRunner
+    from taskrunner.client import TaskClient
 
 MAX_MISSES = 2  # claim attempts on a due key the server refuses before it is left to sweeps
 KEYLESS = "\0keyless"  # the queue key of the keyless claim's entry (Kind.KEYLESS, see Worker.keyless)
@@ -154,7 +154,7 @@ class Worker:
 
     def __init__(
         self,
-        runner: TaskRunner,
+        runner: TaskClient,
         options: WorkerOptions | None = None,
         *,
         observer: WorkerObserver | None = None,

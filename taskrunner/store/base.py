@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from taskrunner.errors import InvalidTask, MalformedTask, StoreError
 from taskrunner.limits.state import LimitState
@@ -526,3 +526,7 @@ class LimitStore(Protocol):
 class Store(TaskStore, RegistryStore, ScheduleStore, LimitStore, Protocol):
     """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
     implement the same rules, checked by one contract test suite."""
+
+    bound_to_loop: ClassVar[bool]
+    """True when the store's connection belongs to the event loop that first used it (a
+    PyMongo client); False when any loop and thread may share it (the memory store)."""

@@ -2,20 +2,25 @@
 
 It keeps raw documents, so it can also hold malformed ones a test inserts by
 hand, and runs ``taskrunner.store.rules`` with MongoDB's comparison semantics. Every
-operation completes without awaiting, which makes each one atomic on the loop.
+operation completes without awaiting and holds the store's lock, which makes each one
+atomic on any number of event loops and threads (a worker on the main loop and
+``runner.sync()``'s loop share one store, as two clients share one MongoDB database).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
+import inspect
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import bson
 from bson import ObjectId
@@ -135,8 +140,65 @@ def _utcnow() -> datetime:
     return now
 
 
+class _Signal:
+    """Wakes the waiters of every event loop and thread (an ``asyncio.Event`` belongs to one
+    loop, and setting it from another thread wakes nobody)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    async def wait(self, seconds: float, *, until: Callable[[], bool]) -> None:
+        """Return once ``until()`` holds, at the next ``notify``, or after ``seconds``."""
+        loop = asyncio.get_running_loop()
+        waiter = (loop, loop.create_future())
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            # Checked after joining the waiters: a notify from here on is not missed.
+            if not until():
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(waiter[1], seconds)
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
+
+    def notify(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for loop, future in waiters:
+            with suppress(RuntimeError):  # that loop is closed: nobody waits there any more
+                loop.call_soon_threadsafe(_wake, future)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+M = TypeVar("M", bound=Callable[..., Any])
+
+
+def _atomic(method: M) -> M:
+    """``method`` under the store's lock (it never suspends, so the lock is held for its
+    whole body and released before anything else runs on its loop)."""
+
+    @functools.wraps(method)
+    async def call(self: MemoryStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return await method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 class MemoryStore:
-    """A ``Store`` held in memory; ``clock`` stands in for the server's clock."""
+    """A ``Store`` held in memory; ``clock`` stands in for the server's clock.
+
+    Safe on any event loop and thread: ``copy()`` of its runner and ``runner.sync()``
+    share it, as they would share one MongoDB database.
+    """
+
+    bound_to_loop: ClassVar[bool] = False
 
     def __init__(self, *, clock: Callable[[], datetime] = _utcnow, history: int = 10_000) -> None:
         self._docs: dict[str, Doc] = {}
@@ -145,13 +207,14 @@ class MemoryStore:
         self._images: dict[str, Doc] = {}  # each key's last emitted document, to diff updates against
         self._seq = 0
         self._history = history
-        self._changed = asyncio.Event()
+        self._lock = threading.RLock()
+        self._changed = _Signal()
         self._registry: dict[str, WorkerInfo] = {}
         self._schedules: dict[str, Doc] = {}
         self._limits: dict[str, Doc] = {}
         self._limits_version = 0
         self._gates: dict[str, Doc] = {}
-        self._limits_changed = asyncio.Event()
+        self._limits_changed = _Signal()
         self._streams: weakref.WeakSet[_MemoryChangeStream | _LimitsStream] = weakref.WeakSet()
 
     # -- test helpers ---------------------------------------------------------------
@@ -159,28 +222,32 @@ class MemoryStore:
         """Store a raw document as-is, as a hand-written mongo-shell insert would."""
         doc = _clone(doc)
         doc.setdefault(f.ID, ObjectId())
-        self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
-        self._emit("insert", doc)
+        with self._lock:
+            self._docs[str(doc.get(f.KEY, doc[f.ID]))] = doc
+            self._emit("insert", doc)
 
     def document(self, key: str) -> Doc:
         """A copy of the stored document of ``key`` as it is, malformed or not (``KeyError`` if none)."""
-        doc: Doc = _clone(self._docs[key])
+        with self._lock:
+            doc: Doc = _clone(self._docs[key])
         return doc
 
     def documents(self) -> list[Doc]:
         """Copies of every stored task document, in insertion order."""
-        return [_clone(doc) for doc in self._docs.values()]
+        with self._lock:
+            return [_clone(doc) for doc in self._docs.values()]
 
     def end_streams(self) -> int:
         """End every open change stream as MongoDB ends one after an invalidate hidden by
         its ``$match``: each delivers what was written before, then its ``next`` raises
         ``ChangeStreamEnded`` (cursor closed by the server). Streams opened later are
         unaffected. Returns how many ended."""
-        streams = list(self._streams)
-        for stream in streams:
-            stream.end()
-        self._changed.set()
-        self._limits_changed.set()
+        with self._lock:
+            streams = list(self._streams)
+            for stream in streams:
+                stream.end()
+        self._changed.notify()
+        self._limits_changed.notify()
         return len(streams)
 
     # -- Store --------------------------------------------------------------------
@@ -680,7 +747,7 @@ class MemoryStore:
 
     def _limit_written(self) -> None:
         self._limits_version += 1
-        self._limits_changed.set()
+        self._limits_changed.notify()
 
     async def watch(
         self,
@@ -720,7 +787,7 @@ class MemoryStore:
             self._images[image] = snapshot
         self._events.append((self._seq, kind, key, snapshot, changed, doc_id))
         del self._events[: max(0, len(self._events) - self._history)]
-        self._changed.set()
+        self._changed.notify()
 
     def _event(self, seq: int, kind: EventKind, key: str | None, doc: Doc | None) -> ChangeEvent:
         token = {"_data": str(seq)}
@@ -734,6 +801,12 @@ class MemoryStore:
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
         return Task.read(_clone(doc), created=created)
+
+
+# Every public operation of the store is atomic across threads as well as on its loop.
+for _name, _member in list(vars(MemoryStore).items()):
+    if not _name.startswith("_") and inspect.iscoroutinefunction(_member):
+        setattr(MemoryStore, _name, _atomic(_member))
 
 
 class _LimitsStream:
@@ -751,10 +824,9 @@ class _LimitsStream:
         self._ended = self._ended or ChangeStreamEnded.CURSOR_CLOSED
 
     async def next(self, wait: float) -> ChangeEvent | None:
-        if self._store._limits_version == self._seen and self._ended is None:
-            self._store._limits_changed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._store._limits_changed.wait(), wait)
+        await self._store._limits_changed.wait(
+            wait, until=lambda: self._store._limits_version != self._seen or self._ended is not None
+        )
         if self._ended is not None:
             raise ChangeStreamEnded(self._ended)
         if self._store._limits_version == self._seen:
@@ -791,6 +863,10 @@ class _MemoryChangeStream:
         return {"_data": str(self._position)}
 
     def check_history(self) -> None:
+        with self._store._lock:
+            self._check_history()
+
+    def _check_history(self) -> None:
         events = self._store._events
         first = events[0][0] if events else self._store._seq + 1
         if self._position + 1 < first and self._position < self._store._seq:
@@ -804,10 +880,7 @@ class _MemoryChangeStream:
         self.check_history()
         fresh = self._fresh()
         if fresh is None and not self._over():
-            # No await between the check above and clear(): no event can slip in between.
-            self._store._changed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._store._changed.wait(), wait)
+            await self._store._changed.wait(wait, until=lambda: self._fresh() is not None or self._over())
             self.check_history()
             fresh = self._fresh()
         if fresh is None:
@@ -848,6 +921,10 @@ class _MemoryChangeStream:
         return self._store._event(seq, kind, key, doc)
 
     def _fresh(self) -> _Change | None:
+        with self._store._lock:  # another thread's write may trim the history meanwhile
+            return self._next_wanted()
+
+    def _next_wanted(self) -> _Change | None:
         if self._ended is not None:
             return None
         events = self._store._events

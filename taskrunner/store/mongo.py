@@ -16,7 +16,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import bson
 from bson.codec_options import CodecOptions, DatetimeConversion
@@ -202,6 +202,8 @@ def _write_error(error: Doc) -> StoreError:
 
 class MongoStore:
     """A ``Store`` on one MongoDB collection."""
+
+    bound_to_loop: ClassVar[bool] = True
 
     def __init__(
         self, client: AsyncMongoClient[Doc], database: str, collection: str, *, owns_client: bool = False
