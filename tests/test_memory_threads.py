@@ -65,9 +65,8 @@ def test_publishes_from_many_threads_create_each_key_once() -> None:
 
     async def publish_all() -> None:
         own = runner.for_another_loop()
-        tasks = [{"name": "echo", "params": {"i": i}, "key": f"k{i % 50}"} for i in range(400)]
-        for task in tasks:
-            created.append(int((await own.publish(task["name"], task["params"], key=task["key"])).created))
+        for i in range(400):
+            created.append(int((await own.publish("echo", {"i": i}, key=f"k{i % 50}")).created))
 
     threads = [threading.Thread(target=asyncio.run, args=(publish_all(),)) for _ in range(4)]
     for thread in threads:
