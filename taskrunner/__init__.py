@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         TaskPage,
         TaskState,
         TaskStats,
+        Unreadable,
         WorkerEntry,
         WorkerInfo,
     )
@@ -105,6 +106,7 @@ _EXPORTS = {
     "TaskState": "taskrunner.models",
     "TaskStats": "taskrunner.models",
     "UnknownTaskName": "taskrunner.errors",
+    "Unreadable": "taskrunner.models",
     "WaitTimeout": "taskrunner.errors",
     "Worker": "taskrunner.engine.worker",
     "WorkerEntry": "taskrunner.models",
@@ -180,6 +182,7 @@ __all__ = [
     "TaskState",
     "TaskStats",
     "UnknownTaskName",
+    "Unreadable",
     "WaitTimeout",
     "Worker",
     "WorkerEntry",

@@ -42,6 +42,7 @@ from taskrunner.models import (
     TaskPage,
     TaskState,
     TaskStats,
+    Unreadable,
     WorkerInfo,
     invalid_task,
 )
@@ -60,6 +61,7 @@ Duration = float | int | timedelta
 DEFAULT_URI = f.DEFAULT_URI
 OPTION_NAMES = frozenset(TaskOptions.model_fields)
 TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
+ALLOW_UNKNOWN = "; pass allow_unknown=True (CLI: --allow-unknown) to publish it for workers of another app"
 INIT_POLLING = "workers will poll for tasks instead (every --poll-interval, 5 s by default)"
 
 
@@ -182,10 +184,15 @@ class TaskClient:
         return [await self._view(i, s, i not in declared, now, upcoming) for i, s in stored.items()]
 
     async def _view(
-        self, schedule_id: str, state: ScheduleState | str, orphaned: bool, now: datetime, upcoming: int
+        self,
+        schedule_id: str,
+        state: ScheduleState | Unreadable,
+        orphaned: bool,
+        now: datetime,
+        upcoming: int,
     ) -> ScheduleView:
-        if isinstance(state, str):
-            return ScheduleView(id=schedule_id, orphaned=orphaned, problem=state)
+        if isinstance(state, Unreadable):
+            return ScheduleView(id=schedule_id, orphaned=orphaned, unreadable=state)
         last = None
         if state.last_key is not None:
             with suppress(TaskNotFound):
@@ -208,7 +215,7 @@ class TaskClient:
         stored = (await self.store.schedules([schedule_id])).get(schedule_id)
         if stored is None:
             raise ScheduleNotFound(schedule_id)
-        if isinstance(stored, str):
+        if isinstance(stored, Unreadable):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {stored}")
         now = await self.store.server_time()
         [published] = await self.store.publish([stored.triggered(now)])
@@ -277,7 +284,7 @@ class TaskClient:
         registration = self.handlers.find(name)
         known = self.handlers.names()
         if registration is None and known and not allow_unknown:
-            raise UnknownTaskName(name, known)
+            raise UnknownTaskName(name, known, hint=ALLOW_UNKNOWN)
         params = (
             registration.validate(spec.get("params") or {})
             if registration
@@ -438,7 +445,7 @@ class TaskClient:
         _limit_name(name)
         code = self.handlers.get(name).limit if name in self.handlers.names() else Limit()
         state = (await self.store.limits([name])).get(name)
-        if isinstance(state, str):
+        if isinstance(state, Unreadable):
             raise InvalidTask(f"limits.{name}", f"the stored document is unreadable: {state}")
         if state is not None and not code and state.declared:
             declared = state.declared

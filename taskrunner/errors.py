@@ -5,13 +5,12 @@
     TaskRunnerError
     ├── InvalidTask (ValueError)        bad input on publish; names every bad field
     │   ├── InvalidParams               params fail the handler's model
-    │   ├── UnknownTaskName (LookupError) publish: no handler has that name
+    │   ├── UnknownTaskName (LookupError) no handler has that name (publish, or a run: FAIL)
     │   └── InvalidSchedule             a bad schedule declaration; names the field
     ├── TaskNotFound (LookupError)      no task with that key
     ├── ScheduleNotFound (LookupError)  no schedule with that id
     ├── InvalidState                    the task's state does not allow that (e.g. retry a SUCCESS)
     ├── WaitTimeout (TimeoutError)      wait() gave up; ``task`` holds the last state seen
-    ├── UnknownHandler (LookupError)    no handler registered under that name
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
     ├── RunnerClosed (RuntimeError)     a SyncTaskRunner used after close()
@@ -70,16 +69,15 @@ class InvalidParams(InvalidTask):
 
 
 class UnknownTaskName(InvalidTask, LookupError):
-    """``publish`` on a runner with handlers got a name none of them has (likely a typo);
-    ``allow_unknown=True`` publishes it anyway, for workers of another app."""
+    """A task name no handler of this runner has (``name``; ``known`` are the registered
+    ones). ``publish`` raises it on a runner with handlers (likely a typo;
+    ``allow_unknown=True`` publishes it anyway, for workers of another app); a run of
+    such a name ends FAIL with it, since no other attempt can find a handler."""
 
-    def __init__(self, name: str, known: list[str]) -> None:
-        self.name = name
-        super().__init__(
-            "name",
-            f"no handler registered for task name {name!r} (known: {', '.join(known)}); "
-            "pass allow_unknown=True (CLI: --allow-unknown) to publish it for workers of another app",
-        )
+    def __init__(self, name: str, known: list[str], *, hint: str = "") -> None:
+        self.name, self.known = name, known
+        listed = f" (known: {', '.join(known)})" if known else ""
+        super().__init__("name", f"no handler registered for task name {name!r}{listed}{hint}")
 
 
 class InvalidSchedule(InvalidTask):
@@ -118,14 +116,6 @@ class WaitTimeout(TaskRunnerError, TimeoutError):
     def __init__(self, key: str, timeout: float, task: object) -> None:
         self.key, self.task = key, task
         super().__init__(f"task {key!r} did not finish within {timeout:g} s")
-
-
-class UnknownHandler(TaskRunnerError, LookupError):
-    """A run was handed a task name no handler of this runner has (``name``)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        super().__init__(f"no handler registered for task name {name!r}")
 
 
 class MalformedTask(TaskRunnerError):

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from taskrunner.errors import InvalidParams, InvalidTask, UnknownHandler
+from taskrunner.errors import InvalidParams, InvalidTask, UnknownTaskName
 from taskrunner.limits.gates import Limit
 from taskrunner.models import NewTask, invalid_task
 
@@ -90,7 +90,7 @@ class Handlers:
         try:
             return self._by_name[name]
         except KeyError:
-            raise UnknownHandler(name) from None
+            raise UnknownTaskName(name, self.names()) from None
 
     def find(self, name: str) -> Registration | None:
         return self._by_name.get(name)

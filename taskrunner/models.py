@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Generic, Literal, Protocol, Self, TypeVar
 
@@ -410,6 +410,27 @@ def _unbound(key: str) -> RuntimeError:
     )
 
 
+class Unreadable(BaseModel):
+    """A stored document no model reads (written by hand, or by another version): its key
+    or id when it has a string one, and the first problem, ``field: message (got value)``.
+    Reads, scans and streams hand one back in the document's place; nothing stops on it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: str | None
+    problem: str
+
+    def __str__(self) -> str:
+        return self.problem
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any], error: MalformedTask | str) -> Unreadable:
+        """``doc`` as unreadable for ``error`` (the exception a read raised, or its message)."""
+        key = doc.get(f.KEY, doc.get(f.ID))
+        problem = error.problem if isinstance(error, MalformedTask) else error
+        return cls(key=key if isinstance(key, str) else None, problem=problem)
+
+
 class StoredTask(BaseModel):
     """A stored task, read back from its document: every field, no way to wait.
 
@@ -444,9 +465,9 @@ class StoredTask(BaseModel):
     """Why no worker can run the document as written: set with state FAIL (and ``fatal``)
     when a worker found it unreadable; its type is ``MalformedTask`` and its message names
     the field and the value (docs/schema.md, "Documents written by hand")."""
-    problem: str | None = None
+    unreadable: Unreadable | None = None
     """Only on a task read from a document that does not follow the schema (``Task.read``):
-    the first problem, ``field: message (got value)``; unreadable fields read as placeholders."""
+    what a scan reports of it; the fields that do not read hold placeholders."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 
@@ -454,7 +475,7 @@ class StoredTask(BaseModel):
     def from_document(cls, doc: dict[str, Any], *, created: bool = False) -> Self:
         """The task in ``doc``; raises ``MalformedTask`` naming the first field that does not read."""
         try:
-            task = cls.model_validate({**doc, "problem": None, "created": created})
+            task = cls.model_validate({**doc, "unreadable": None, "created": created})
         except ValidationError as exc:
             field, problem = described(exc)
             raise MalformedTask(doc.get(f.KEY, doc.get(f.ID)), problem, field=field) from None
@@ -466,12 +487,12 @@ class StoredTask(BaseModel):
     @classmethod
     def read(cls, doc: dict[str, Any], *, created: bool = False) -> Self:
         """The task in ``doc`` even when the document does not follow the schema: then
-        ``problem`` says why and each field that does not read holds a placeholder, so
+        ``unreadable`` says why and each field that does not read holds a placeholder, so
         operators can list, show, cancel, retry and purge it."""
         try:
             return cls.from_document(doc, created=created)
         except MalformedTask as exc:
-            values = {**doc, "problem": exc.problem, "created": created}
+            values = {**doc, "unreadable": Unreadable.of(doc, exc), "created": created}
         for _ in range(len(values)):  # each pass replaces what the last one could not read
             try:
                 return cls.model_validate(values)

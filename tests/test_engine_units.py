@@ -178,7 +178,7 @@ async def test_a_worker_runs_a_minimal_document_written_by_hand() -> None:
     worker = Worker(runner, worker_id="w", poll_interval=0.05)
     await run_until(worker, lambda: done == ["by-hand"])
     task = await runner.get("by-hand")
-    assert task.state is TaskState.SUCCESS and task.problem is None and task.options.max_failures == 3
+    assert task.state is TaskState.SUCCESS and task.unreadable is None and task.options.max_failures == 3
 
 
 class BlindSweeps(MemoryStore):

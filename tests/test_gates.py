@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from taskrunner import TaskContext, TaskRunner, TaskState
+from taskrunner import TaskContext, TaskRunner, TaskState, Unreadable
 from taskrunner.engine.claim_queue import Due, Place, Rank
 from taskrunner.engine.execution import Execution, Stop
 from taskrunner.engine.worker import Worker, owned_buckets
@@ -280,7 +280,7 @@ async def test_a_throttled_gate_starts_nothing_until_the_throttle_ends() -> None
     ready, later = await a.admit(fleet.due(1), 1)
     assert ready == [] and at(30.25).timestamp() < later[0][1] < at(30.3).timestamp()
     [state] = (await fleet.store.limits([NAME])).values()
-    assert not isinstance(state, str) and [t.gate for t in state.throttled_gates] == [NAME]
+    assert not isinstance(state, Unreadable) and [t.gate for t in state.throttled_gates] == [NAME]
     fleet.t = 30.3  # the stored end, and a quarter second for the worker's clock
     assert len(await fleet.start(a, 1)) == 1
 

@@ -90,7 +90,8 @@ def test_a_stored_task_holds_what_the_server_computes_with() -> None:
 def test_read_gives_a_malformed_document_placeholders_and_its_problem() -> None:
     """``Task.read`` never fails: the first problem names the field and value, what reads is kept."""
     task = Task.read({"key": "k", "name": "job", "params": "x", "state": 7, "priority": 4})
-    assert task.problem == "params: Input should be a valid dictionary (got 'x')"
+    assert task.unreadable is not None
+    assert task.unreadable.problem == "params: Input should be a valid dictionary (got 'x')"
     assert (task.key, task.name, task.params, task.priority, task.state.value) == (
         "k",
         "job",
@@ -98,7 +99,7 @@ def test_read_gives_a_malformed_document_placeholders_and_its_problem() -> None:
         4,
         "PENDING",
     )
-    assert Task.read(doc_for()).problem is None
+    assert Task.read(doc_for()).unreadable is None
 
 
 def test_normalization_adds_only_missing_fields() -> None:

@@ -133,10 +133,10 @@ async def every_reader_survives(direct: MongoStore, store: MongoStore, bad: str,
     """List, show, the dashboard, a sweep, a claim and normalization each read past the
     document ``bad`` (naming it and ``problem``) and serve the readable ones."""
     listed = {t.key: t for t in await store.find()}
-    assert set(listed) == {"a", bad, "b"} and listed["a"].problem is None
-    assert problem in str(listed[bad].problem)
+    assert set(listed) == {"a", bad, "b"} and listed["a"].unreadable is None
+    assert problem in str(listed[bad].unreadable)
     assert {t.key for t in (await store.browse(Listing(sort="updated_at"))).tasks} == {"a", bad, "b"}
-    assert problem in str((await store.get(bad)).problem)
+    assert problem in str((await store.get(bad)).unreadable)
     runner = TaskRunner(store=store)
     assert (await pages.overview(runner))["by_state"]["PENDING"] == 3
     assert len((await pages.task_list(runner, pages.TaskFilter()))["tasks"]) == 3

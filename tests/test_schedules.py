@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from taskrunner import TaskContext, TaskRunner
+from taskrunner import TaskContext, TaskRunner, Unreadable
 from taskrunner.errors import InvalidSchedule, InvalidTask
 from taskrunner.schedules.recurrence import due, parse, tick_key
 from taskrunner.schedules.scheduler import Scheduler
@@ -200,7 +200,7 @@ async def test_a_hand_edited_schedule_document_is_skipped_not_fatal() -> None:
     store._schedules["report"]["every"] = "soon"
     assert await scheduler.tick() > 0
     [problem] = (await store.schedules()).values()
-    assert isinstance(problem, str) and "every" in problem
+    assert isinstance(problem, Unreadable) and "every" in problem.problem
 
 
 async def test_a_paused_schedule_shows_no_next_fire_times() -> None:

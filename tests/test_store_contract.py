@@ -33,7 +33,7 @@ from taskrunner.errors import (
     InvalidState,
     ScheduleNotFound,
 )
-from taskrunner.models import WorkerInfo
+from taskrunner.models import Unreadable, WorkerInfo
 from taskrunner.schedules.model import declare
 from taskrunner.store import rules
 from taskrunner.store.base import (
@@ -455,11 +455,12 @@ async def test_reads_of_a_malformed_document_carry_its_problem(store: Store, raw
     placeholders for what does not read; cancel and stats work on such documents."""
     await raw_insert({"key": "broken", "name": "job", "params": "nope", "state": 42})
     task = await store.get("broken")
-    assert task.problem is not None and "params" in task.problem and "'nope'" in task.problem
+    assert task.unreadable is not None and task.unreadable.key == task.key
+    assert "params" in task.unreadable.problem and "'nope'" in task.unreadable.problem
     assert (task.key, task.name, task.params, task.state) == ("broken", "job", {}, TaskState.PENDING)
     assert [t.key for t in await store.find()] == ["broken"]
     canceled = await store.cancel("broken")
-    assert canceled.state is TaskState.CANCELED and canceled.problem is not None
+    assert canceled.state is TaskState.CANCELED and canceled.unreadable is not None
     await raw_insert({"key": "bare", "name": "job", "state": "PENDING", "created_at": "yesterday"})
     stats = await store.stats()
     assert stats.counts == {"job": {"CANCELED": 1, "PENDING": 1}} and stats.oldest_pending_seconds is None
@@ -479,7 +480,7 @@ async def test_a_minimal_document_is_normalized_once_and_then_claimable(
     page = await store.due("w1", ["other"], horizon=before + timedelta(seconds=60))
     assert [u.key for u in page.unreadable] == ["by-hand"] and page.tasks == []
     task = await store.normalize("by-hand")
-    assert task.problem is None and task.state is TaskState.PENDING and task.params == {"n": 1}
+    assert task.unreadable is None and task.state is TaskState.PENDING and task.params == {"n": 1}
     assert task.options == TaskOptions() and (task.priority, task.failures, task.workers) == (0, 0, [])
     assert task.claimable_at == task.run_at == task.created_at and task.created_at >= before - timedelta(
         seconds=1
@@ -499,7 +500,7 @@ async def test_normalize_fills_only_what_is_missing(store: Store, raw_insert: Ra
         {**MINIMAL, "priority": 5, "run_at": run_at, "options": {"concurrency": 2, "retry_backoff": 7}}
     )
     task = await store.normalize("by-hand")
-    assert task.problem is None and task.priority == 5 and task.run_at == task.claimable_at == run_at
+    assert task.unreadable is None and task.priority == 5 and task.run_at == task.claimable_at == run_at
     options = task.options
     assert (options.concurrency, options.retry_backoff, options.backoff, options.max_failures) == (
         2,
@@ -513,7 +514,7 @@ async def test_racing_normalizations_agree(store: Store, raw_insert: Raw) -> Non
     """Two workers normalizing the same document at once leave one consistent task."""
     await raw_insert(dict(MINIMAL))
     a, b = await asyncio.gather(store.normalize("by-hand"), store.normalize("by-hand"))
-    assert a.problem is None and b.problem is None
+    assert a.unreadable is None and b.unreadable is None
     assert a.created_at == b.created_at and a.claimable_at == b.claimable_at
 
 
@@ -647,7 +648,12 @@ async def test_malformed_documents_arrive_as_events_with_a_problem(store: Store,
     await raw_insert({"key": "broken", "name": "job", "params": "nope"})
     [event] = await next_events(stream, 1)
     await stream.close()
-    assert event.task is None and event.key == "broken" and event.problem and "params" in event.problem
+    assert (
+        event.task is None
+        and event.key == "broken"
+        and event.unreadable
+        and "params" in event.unreadable.problem
+    )
 
 
 async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_or_outcomes(
@@ -1159,7 +1165,7 @@ async def test_a_declared_schedule_keeps_its_state_and_records_ticks_once(store:
     assert paused.paused and paused.created_at is not None
     await store.declare_schedule(spec("*/10 * * * *"), now)
     [state] = (await store.schedules(["r", "missing"])).values()
-    assert not isinstance(state, str)
+    assert not isinstance(state, Unreadable)
     assert (state.cron, state.paused, state.timezone, state.last_tick) == (
         "*/10 * * * *",
         True,
@@ -1263,7 +1269,7 @@ async def test_a_gate_throttle_keeps_the_longest_end_and_drops_ended_ones(
     await elapse(0.3)
     await store.throttle("quick", 10, gate='quick#"c"')
     state = (await store.limits(["quick"]))["quick"]
-    assert not isinstance(state, str) and state.throttled_until is None
+    assert not isinstance(state, Unreadable) and state.throttled_until is None
     ends = {t.gate: t.until for t in state.throttled_gates}
     assert set(ends) == {'quick#"a"', 'quick#"c"'}
     assert ends['quick#"a"'] >= before + timedelta(seconds=29)

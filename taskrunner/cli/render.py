@@ -159,8 +159,8 @@ def task_summary(task: Task) -> Table:
     # A document written by hand: why no worker runs it (marked), or what does not read.
     if task.error is not None:
         rows.append(("error", f"{task.error.type}: {task.error.message}"))
-    if task.problem is not None:
-        rows.append(("unreadable", task.problem))
+    if task.unreadable is not None:
+        rows.append(("unreadable", task.unreadable.problem))
     for label, value in rows:
         summary.add_row(Text(label, style="bold"), text(value))
     return summary
@@ -310,7 +310,7 @@ def schedules_table(views: list[ScheduleView]) -> Table:
 def _schedule_cells(view: ScheduleView) -> tuple[str, ...]:
     status = ["orphaned"] if view.orphaned else []
     if view.schedule is None:
-        return (view.id, "-", "-", "-", "-", ", ".join([*status, f"unreadable: {view.problem}"]))
+        return (view.id, "-", "-", "-", "-", ", ".join([*status, f"unreadable: {view.unreadable}"]))
     s = view.schedule
     zone = ZoneInfo(s.timezone)
     times = "\n".join(t.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %Z") for t in view.next_at) or "-"

@@ -12,7 +12,7 @@ from taskrunner.dashboard.snapshots import EXPIRES_IN
 from taskrunner.errors import InvalidTask
 from taskrunner.limits.gates import GateDoc
 from taskrunner.limits.state import LimitState
-from taskrunner.models import EntryState, Task, TaskState
+from taskrunner.models import EntryState, Task, TaskState, Unreadable
 from taskrunner.runner import TaskRunner
 from taskrunner.store import fields as f
 from taskrunner.store.base import Listing, Position, format_position, parse_position
@@ -199,7 +199,7 @@ async def schedules(runner: TaskRunner) -> dict[str, Any]:
         "schedules": await runner.schedule_overview(),
         "limits": limits,
         "rate_use": await rate_use(runner, sorted(limits)),
-        "unreadable": {name: problem for name, problem in stored.items() if isinstance(problem, str)},
+        "unreadable": {name: s.problem for name, s in stored.items() if isinstance(s, Unreadable)},
         "running": running,
         "paused": stats.paused,
         "throttles": throttles,

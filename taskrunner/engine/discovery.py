@@ -38,10 +38,10 @@ from taskrunner.errors import (
     TaskNotFound,
     TaskRunnerError,
 )
-from taskrunner.models import Task
+from taskrunner.models import Task, Unreadable
 from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
-from taskrunner.store.base import ChangeEvent, Store, Unreadable
+from taskrunner.store.base import ChangeEvent, Store
 from taskrunner.store.rules import MALFORMED
 
 log = get_logger("taskrunner.discovery")
@@ -111,8 +111,8 @@ class Discovery:
             self.consider(event.task)
         elif event.wake:
             self.sweep_at(event.wake_at)
-        elif event.problem:
-            self.unsettled.append(Unreadable(event.key, event.problem))
+        elif event.unreadable is not None:
+            self.unsettled.append(event.unreadable)
 
     async def settle(self, unreadable: Sequence[Unreadable]) -> None:
         """Normalize each unreadable document (``Store.normalize``): one that then reads is
@@ -137,8 +137,8 @@ class Discovery:
         # Marking may leave a readable document (a wrong state replaced): its error says why.
         if task.error is not None and task.error.type == MALFORMED:
             self.report(key, task.error.message)
-        elif task.problem is not None:
-            self.report(key, task.problem)
+        elif task.unreadable is not None:
+            self.report(key, task.unreadable.problem)
         else:
             log.info("normalized a task document written by hand", key=key)
             self.consider(task)

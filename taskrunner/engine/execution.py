@@ -39,7 +39,7 @@ from taskrunner.errors import (
     Retry,
     StoreError,
     TaskRunnerError,
-    UnknownHandler,
+    UnknownTaskName,
 )
 from taskrunner.handlers import Handlers, Registration
 from taskrunner.models import Task, TaskError
@@ -181,7 +181,7 @@ class Execution:
         self.log.info("run started", attempt=self.claim.entry.attempt)
         try:
             registration, params = self._prepare()
-        except (UnknownHandler, InvalidParams) as exc:
+        except (UnknownTaskName, InvalidParams) as exc:
             # Params the handler's model rejects fail the same way on every attempt.
             await self._write(Outcome(error=self._error(exc), final=isinstance(exc, InvalidParams)))
             self.observer.finished(self.task, "failure", 0.0)

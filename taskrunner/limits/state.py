@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from taskrunner.errors import InvalidTask
 from taskrunner.limits.gates import Limit, check_max_running, parse_rate
-from taskrunner.models import UtcDatetime, first_error
+from taskrunner.models import Unreadable, UtcDatetime, first_error
 from taskrunner.observability.logs import get_logger
 
 log = get_logger("taskrunner.limits")
@@ -87,23 +87,25 @@ class LimitState(BaseModel):
         return Limit(rate, running, code.limit_by)
 
     @classmethod
-    def read(cls, doc: dict[str, Any]) -> LimitState | str:
+    def read(cls, doc: dict[str, Any]) -> LimitState | Unreadable:
         """The document as a model, or what is wrong with it (a hand edit)."""
         try:
             return cls.model_validate(doc)
         except ValidationError as exc:
-            return first_error(exc)
+            return Unreadable.of(doc, first_error(exc))
 
 
 def readable_limit(doc: dict[str, Any]) -> LimitState:
     """A document just written, as a model; a hand-broken field makes it an ``InvalidTask``."""
     state = LimitState.read(doc)
-    if isinstance(state, str):
+    if isinstance(state, Unreadable):
         raise InvalidTask(f"limits.{doc.get('_id')}", f"the stored document is unreadable: {state}")
     return state
 
 
-def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now: datetime) -> frozenset[str]:
+def paused_names(
+    states: Mapping[str, LimitState | Unreadable], names: Sequence[str], now: datetime
+) -> frozenset[str]:
     """Which of ``names`` are not claimed now: paused, by their own document or by ``"*"``,
     or throttled until after ``now`` (server time). An unreadable document pauses nothing:
     a hand edit gone wrong must not stop the fleet."""
@@ -111,7 +113,7 @@ def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now:
     if isinstance(every, LimitState) and every.paused:
         return frozenset(names)
 
-    def held(state: LimitState | str | None) -> bool:
+    def held(state: LimitState | Unreadable | None) -> bool:
         if not isinstance(state, LimitState):
             return False
         return state.paused or (state.throttled_until is not None and state.throttled_until > now)
@@ -120,7 +122,7 @@ def paused_names(states: dict[str, LimitState | str], names: Sequence[str], now:
 
 
 def limits_in_force(
-    states: Mapping[str, LimitState | str], names: Sequence[str], declared: Mapping[str, Limit]
+    states: Mapping[str, LimitState | Unreadable], names: Sequence[str], declared: Mapping[str, Limit]
 ) -> dict[str, Limit]:
     """Each limited name's limits: operators' over the code's (an unreadable document
     changes nothing)."""

@@ -16,6 +16,7 @@ from taskrunner.engine.outage import Outage
 from taskrunner.errors import ChangeStreamEnded, StoreError, StoreUnavailable
 from taskrunner.limits.gates import Limit
 from taskrunner.limits.state import ALL, LimitState, limits_in_force, paused_names
+from taskrunner.models import Unreadable
 from taskrunner.observability.logs import get_logger
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class LimitWatch:
 
     async def refresh(self) -> None:
         states = await self.store.limits([*self.names, ALL])
-        problems = {name: s for name, s in states.items() if isinstance(s, str)}
+        problems = {name: s.problem for name, s in states.items() if isinstance(s, Unreadable)}
         for name, problem in problems.items():
             if self.problems.get(name) != problem:  # once per problem, not every half second
                 log.warning("skipping unreadable limits document", name=name, problem=problem)

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from taskrunner.errors import InvalidSchedule
-from taskrunner.models import NewTask, Task, UtcDatetime, first_error, invalid_task
+from taskrunner.models import NewTask, Task, Unreadable, UtcDatetime, first_error, invalid_task
 from taskrunner.observability.logs import get_logger
 from taskrunner.schedules.recurrence import (
     CATCH_UPS,
@@ -106,15 +106,15 @@ class ScheduleState(Schedule):
     resumed_at: UtcDatetime | None = None
 
     @classmethod
-    def read(cls, doc: Mapping[str, Any]) -> ScheduleState | str:
-        """The document, or a message naming what is wrong with it (edited by hand)."""
+    def read(cls, doc: Mapping[str, Any]) -> ScheduleState | Unreadable:
+        """The document, or what is wrong with it (edited by hand)."""
         try:
             state = cls.model_validate(doc)
             state.recurrence  # noqa: B018 - validates cron, every and timezone
         except ValidationError as exc:
-            return first_error(exc)
+            return Unreadable.of(doc, first_error(exc))
         except InvalidSchedule as exc:
-            return str(exc)
+            return Unreadable.of(doc, str(exc))
         return state
 
     def since(self) -> datetime | None:
@@ -128,7 +128,7 @@ class ScheduleView(BaseModel):
 
     id: str
     schedule: ScheduleState | None = None
-    problem: str | None = None
+    unreadable: Unreadable | None = None
     """Why the stored document cannot be read (edited by hand), if it cannot."""
     orphaned: bool = False
     """No live worker declares it (removed from the code, or no worker is up): it never

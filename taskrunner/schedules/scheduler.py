@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from taskrunner.errors import StoreError
+from taskrunner.models import Unreadable
 from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
 from taskrunner.schedules.recurrence import (
@@ -72,8 +73,8 @@ class Scheduler:
             self._declared = False  # deleted by hand: declared again on the next pass
         waits = [MAX_SLEEP]
         for schedule_id, stored in states.items():
-            if isinstance(stored, str):
-                self._report(schedule_id, stored)
+            if isinstance(stored, Unreadable):
+                self._report(schedule_id, stored.problem)
                 continue
             waits.append(await self._fire(self.schedules[schedule_id], stored))
         return max(0.05, min(waits))

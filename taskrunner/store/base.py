@@ -24,6 +24,7 @@ from taskrunner.models import (
     TaskError,
     TaskState,
     TaskStats,
+    Unreadable,
     WorkerEntry,
     WorkerInfo,
 )
@@ -103,7 +104,8 @@ RunResult = RunStatus | StoreError
 
 @dataclass(frozen=True, slots=True)
 class ChangeEvent:
-    """A change to the task collection; ``task`` is None for deletes and unreadable documents.
+    """A change to the task collection; ``task`` is None for deletes and for unreadable
+    documents (``unreadable`` says why).
 
     On a worker's stream (``watch(work_for=...)``) an update carries no task either: it is
     a *wake* (``wake`` True), saying some task may be claimable from ``wake_at`` on (when
@@ -117,19 +119,11 @@ class ChangeEvent:
     key: str | None
     task: Task | None
     token: Mapping[str, Any] | None
-    problem: str | None = None
+    unreadable: Unreadable | None = None
     wake: bool = False
     wake_at: datetime | None = None
     doc_id: Any = None
     state: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Unreadable:
-    """A document no model reads, found by a scan: its key (if it has a string one) and why."""
-
-    key: str | None
-    problem: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +143,7 @@ def page_of(docs: Sequence[dict[str, Any]], limit: int) -> Page:
         try:
             tasks.append(Task.from_document(doc))
         except MalformedTask as exc:
-            key = doc.get(f.KEY)
-            unreadable.append(Unreadable(key if isinstance(key, str) else None, str(exc)))
+            unreadable.append(Unreadable.of(doc, exc))
     if not docs or len(docs) < limit:
         return Page(tasks, unreadable, None)
     # Pages go on after the last *string* key: later pages ask for keys greater than a
@@ -465,9 +458,9 @@ class ScheduleStore(Protocol):
     async def declare_schedule(self, schedule: Schedule, next_at: datetime) -> None:
         """Create or update a schedule's definition (its state, e.g. ``paused``, is kept)."""
 
-    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | Unreadable]:
         """Stored schedules by id (all, or those of ``ids`` that exist); an unreadable
-        document is a message naming its problem."""
+        document is an ``Unreadable`` naming its problem."""
 
     async def record_tick(
         self, schedule_id: str, previous: datetime | None, tick: datetime, key: str, next_at: datetime
@@ -482,9 +475,9 @@ class ScheduleStore(Protocol):
 class LimitStore(Protocol):
     """Flow control (``<collection>.limits`` and ``.gates``): pauses, throttles, limits, gate documents."""
 
-    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | Unreadable]:
         """Stored limit documents by task name (all, or those of ``names`` that exist); an
-        unreadable document is a message naming its problem."""
+        unreadable document is an ``Unreadable`` naming its problem."""
 
     async def pause(self, name: str, paused: bool) -> LimitState:
         """Pause or resume claiming tasks of ``name`` (``"*"``: every name); the document

@@ -45,6 +45,7 @@ from taskrunner.models import (
     TaskError,
     TaskState,
     TaskStats,
+    Unreadable,
     WorkerInfo,
     to_utc,
 )
@@ -640,7 +641,7 @@ class MemoryStore:
             f.UPDATED_AT: now,
         }
 
-    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | Unreadable]:
         chosen = sorted(self._schedules if ids is None else set(ids) & set(self._schedules))
         return {i: ScheduleState.read(_clone(self._schedules[i])) for i in chosen}
 
@@ -660,11 +661,11 @@ class MemoryStore:
         now = self._clock()
         doc.update({f.PAUSED: paused, f.UPDATED_AT: now, **({} if paused else {f.RESUMED_AT: now})})
         state = ScheduleState.read(_clone(doc))
-        if isinstance(state, str):
+        if isinstance(state, Unreadable):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
         return state
 
-    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | Unreadable]:
         chosen = sorted(self._limits if names is None else set(names) & set(self._limits))
         return {name: LimitState.read(_clone(self._limits[name])) for name in chosen}
 
@@ -796,7 +797,7 @@ class MemoryStore:
         try:
             return ChangeEvent(kind, key, Task.from_document(doc), token)
         except MalformedTask as exc:
-            return ChangeEvent(kind, key, None, token, problem=str(exc))
+            return ChangeEvent(kind, key, None, token, unreadable=Unreadable.of(doc, exc))
 
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:

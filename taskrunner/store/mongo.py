@@ -55,6 +55,7 @@ from taskrunner.models import (
     TaskError,
     TaskState,
     TaskStats,
+    Unreadable,
     WorkerInfo,
 )
 from taskrunner.observability.redact import redact
@@ -840,7 +841,7 @@ class MongoStore:
                 {f.ID: schedule.id}, [{"$set": {**definition, **state}}], upsert=True
             )
 
-    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | str]:
+    async def schedules(self, ids: Sequence[str] | None = None) -> dict[str, ScheduleState | Unreadable]:
         query = {} if ids is None else {f.ID: {"$in": list(ids)}}
         with mapped_errors():
             docs = await self.schedule_docs.find(query).sort(f.ID, 1).to_list()
@@ -870,11 +871,11 @@ class MongoStore:
         if doc is None:
             raise ScheduleNotFound(schedule_id)
         state = ScheduleState.read(doc)
-        if isinstance(state, str):
+        if isinstance(state, Unreadable):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {state}")
         return state
 
-    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | str]:
+    async def limits(self, names: Sequence[str] | None = None) -> dict[str, LimitState | Unreadable]:
         query = {} if names is None else {f.ID: {"$in": list(names)}}
         with mapped_errors():
             docs = await self.limit_docs.find(query).sort(f.ID, 1).to_list()
@@ -1198,7 +1199,7 @@ def _event(change: Doc) -> ChangeEvent | None:
     try:
         return ChangeEvent(kind, doc.get(f.KEY), Task.from_document(doc), token)
     except MalformedTask as exc:
-        return ChangeEvent(kind, doc.get(f.KEY), None, token, problem=str(exc))
+        return ChangeEvent(kind, doc.get(f.KEY), None, token, unreadable=Unreadable.of(doc, exc))
 
 
 def _key_event(key: str, change: Doc) -> ChangeEvent | None:

@@ -183,7 +183,7 @@ async def test_a_hand_written_document_runs_or_is_marked_and_never_stops_the_wor
     await still_serves(runner, worker)
     if mode == NORMALIZED:
         [done] = await wait_for(lambda: finished(runner, key), 30, f"{case} to run")
-        assert done.state is TaskState.SUCCESS and done.problem is None and pool.marks(key=key)
+        assert done.state is TaskState.SUCCESS and done.unreadable is None and pool.marks(key=key)
         return
     if mode == MARKED:
         stored = await wait_for(lambda: _marked(raw, case), 30, f"{case} to be marked")

@@ -54,7 +54,7 @@ def secret_uri() -> str:
 async def test_code_like_task_names_only_ever_reach_the_handler_lookup(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Even when a run is claimed for a name like os.system, nothing is imported or called: FAIL UnknownHandler."""
+    """Even when a run is claimed for a name like os.system, nothing is imported or called: FAIL UnknownTaskName."""
     calls: list[object] = []
 
     def record(*args: object, **kwargs: object) -> int:
@@ -87,7 +87,7 @@ async def test_code_like_task_names_only_ever_reach_the_handler_lookup(
         error = task.last_error
         assert task.state is TaskState.FAIL and error is not None
         assert (error.type, error.message) == (
-            "UnknownHandler",
+            "UnknownTaskName",
             f"no handler registered for task name {name!r}",
         )
     assert calls == []
