@@ -10,7 +10,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "taskrunner"
+PACKAGE = Path(__file__).resolve().parents[2] / "taskrunner"
 
 # Cycles still to break, each as the modules it joins. The public API and the worker
 # engine reach each other: run_worker builds a Worker, which is typed with its runner;
