@@ -89,9 +89,29 @@ def elapse(store: Store, clock: ManualClock) -> Callable[[float], Awaitable[None
     return wait
 
 
+RUNNERS = ["mongo", "memory"]
+"""The ``runner`` fixture's variants; a module picks them with
+``pytest.mark.parametrize("runner", [...], indirect=True)`` (``"mongo"`` without it)."""
+
+
 @pytest.fixture
-async def runner(mongo_uri: str, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A publisher on the test's collection, indexes created, talking to the server directly."""
-    async with TaskRunner(mongo_uri, collection=collection_name) as publisher:
+def runner_collection(collection_name: str) -> str:
+    """The collection the ``runner`` fixture publishes to: the test's own; a module whose worker
+    processes serve one collection for all its tests overrides this with that collection."""
+    return collection_name
+
+
+@pytest.fixture
+async def runner(request: pytest.FixtureRequest) -> AsyncIterator[TaskRunner]:
+    """A publisher, initialized, closed after the test: on the server (``mongo_uri``,
+    ``runner_collection``), or, parametrized ``"memory"``, on a fresh MemoryStore."""
+    variant = getattr(request, "param", "mongo")
+    assert variant in RUNNERS, f"the runner fixture has no variant {variant!r}"
+    if variant == "memory":
+        publisher = TaskRunner(store=MemoryStore())
+    else:
+        uri = request.getfixturevalue("mongo_uri")
+        publisher = TaskRunner(uri, collection=request.getfixturevalue("runner_collection"))
+    async with publisher:
         await publisher.init()
         yield publisher

@@ -1,4 +1,4 @@
-"""An app with recurring schedules, for tests/test_schedule_processes.py.
+"""An app with recurring schedules, for tests/processes/test_schedule_processes.py.
 
 ``tick`` fires every second (every worker declares it); ``hourly-latest``,
 ``hourly-all`` and ``hourly-none`` fire on the hour with each catch-up policy, so a

@@ -140,7 +140,7 @@ async def test_markup_in_a_task_renders_as_inert_text(
     await runner.publish(
         "explode", {"text": HOSTILE["script"]}, key="xss-error", max_failures=1, allow_unknown=True
     )
-    with WorkerPool(mongo_uri, collection_name, tmp_path, app="browser.hostile_app:runner") as pool:
+    with WorkerPool(mongo_uri, collection_name, tmp_path, app="apps.hostile_app:runner") as pool:
         pool.start("w1")
         await wait_for(lambda: _in_state(runner, HOSTILE_KEY, TaskState.SUCCESS), 30, "the echo")
         await wait_for(lambda: _in_state(runner, "xss-error", TaskState.FAIL), 30, "the failure")

@@ -1,5 +1,5 @@
 """Fleet-wide limits (docs/limits.md) under faults, with real ``taskrunner worker`` processes
-running tests/apps/limits_app.py: connection drops (tests/faults/proxy.py), a worker frozen
+running tests/apps/limits_app.py: connection drops (tests/fault_proxy.py), a worker frozen
 (SIGSTOP) past its gate lease, limits changed live, and write replies lost by the server.
 
 In each, every task finishes, and no window and no instant exceeds the limit in force,
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_proxy import FaultProxy
 from pymongo import AsyncMongoClient
 from pymongo import errors as pe
 from workers import WorkerPool, WorkerProcess
 
-from faults.proxy import FaultProxy
 from taskrunner import EntryState, Task, TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
 from taskrunner.limits.gates import gate_id

@@ -1,4 +1,4 @@
-"""Network faults between worker processes and the server, injected by tests/faults/proxy.py.
+"""Network faults between worker processes and the server, injected by tests/fault_proxy.py.
 
 Workers reach the server through a ``FaultProxy``; the test itself (publisher, checks)
 talks to the server directly. Each test asserts what docs/operations.md (Guarantees)
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_proxy import FaultProxy
 from workers import WorkerPool, WorkerProcess
 
-from faults.proxy import FaultProxy
 from taskrunner import EntryState, Task, TaskRunner, TaskState
 from taskrunner.errors import StoreUnavailable, TaskNotFound
 from taskrunner.testing import wait_for

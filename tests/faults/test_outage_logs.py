@@ -2,7 +2,7 @@
 
 Real ``taskrunner worker`` processes of tests/apps/outage_app.py (a limited name, a
 schedule firing every second: every side task talks to the server) against a server
-that is not there at all, then through tests/faults/proxy.py while the server goes away
+that is not there at all, then through tests/fault_proxy.py while the server goes away
 and comes back. docs/worker.md's log table names the lines; taskrunner/engine/outage.py keeps
 the rule: a warning or error when failing starts, debug while it lasts, info at the end,
 never a traceback for a server that does not answer.
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_proxy import FaultProxy
 from workers import WorkerPool, WorkerProcess, wait_exit
 
-from faults.proxy import FaultProxy
 from taskrunner import Task, TaskRunner, TaskState
 from taskrunner.dev.processes import free_port
 from taskrunner.testing import wait_for

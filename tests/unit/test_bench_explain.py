@@ -13,7 +13,7 @@ import pytest
 
 from taskrunner.store import expressions as x
 
-PATH = Path(__file__).resolve().parent.parent / "bench" / "explain.py"
+PATH = Path(__file__).resolve().parents[2] / "bench" / "explain.py"
 spec = importlib.util.spec_from_file_location("bench_explain", PATH)
 assert spec is not None and spec.loader is not None
 explain = importlib.util.module_from_spec(spec)

@@ -2,7 +2,7 @@
 
 Worker-backed tests run real ``taskrunner worker`` processes (tests/workers.py) with
 tests/apps/operations_app.py; CLI commands run in-process through typer's runner (a
-subprocess costs ~2 s of imports here; tests/test_cli.py covers the real entry point).
+subprocess costs ~2 s of imports here; tests/processes/test_cli.py covers the real entry point).
 """
 
 from __future__ import annotations

@@ -426,7 +426,7 @@ def test_the_server_refuses_another_mongoeco_release_naming_both(monkeypatch: py
     from taskrunner.dev import wire
 
     assert wire.mongoeco_mismatch() is None  # the pinned release is what the suite runs on
-    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert pyproject.count(f"mongoeco=={wire.MONGOECO_VERSION};") == 2  # the extra and the dev group
     assert importlib.metadata.version("mongoeco") == wire.MONGOECO_VERSION
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.12.0")

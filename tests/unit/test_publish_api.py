@@ -36,15 +36,16 @@ class ResizeParams(BaseModel):
     height: int = 10
 
 
-@pytest.fixture
-def runner() -> TaskRunner:
-    runner = TaskRunner(store=MemoryStore())
+pytestmark = pytest.mark.parametrize("runner", ["memory"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def resize(runner: TaskRunner) -> None:
+    """The runner's one handler: ``resize``, with a params model and ``max_failures=5``."""
 
     @runner.task("resize", max_failures=5)
     async def resize(params: ResizeParams, ctx: TaskContext) -> dict[str, Any]:
         return {"area": params.width * params.height}
-
-    return runner
 
 
 async def test_publish_validates_params_against_the_handler_model(runner: TaskRunner) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -30,16 +29,16 @@ class Job(BaseModel):
     """How many more tasks the chain publishes after this one."""
 
 
-@pytest.fixture(params=["memory", pytest.param("mongo", marks=pytest.mark.mongo)])
-async def app(request: pytest.FixtureRequest, collection_name: str) -> AsyncIterator[TaskRunner]:
-    """A runner with the handlers below on the memory store or a MongoDB server."""
-    memory = request.param == "memory"
-    uri = None if memory else request.getfixturevalue("mongo_uri")
-    runner = TaskRunner(uri, collection=collection_name, store=MemoryStore() if memory else None)
+ON_BOTH_STORES = pytest.mark.parametrize(
+    "runner", ["memory", pytest.param("mongo", marks=pytest.mark.mongo)], indirect=True
+)
+
+
+@pytest.fixture
+def app(runner: TaskRunner) -> TaskRunner:
+    """The ``runner`` fixture (the memory store or a MongoDB server) with the handlers below."""
     register(runner)
-    await runner.init()
-    yield runner
-    await runner.close()
+    return runner
 
 
 def register(runner: TaskRunner) -> None:
@@ -73,6 +72,7 @@ async def states(runner: TaskRunner) -> dict[str, TaskState]:
     return {task.key: task.state for task in await runner.list_tasks(limit=1000)}
 
 
+@ON_BOTH_STORES
 async def test_drain_runs_every_claimable_task_then_returns(app: TaskRunner) -> None:
     """Publish N, drain: the call returns once all N are SUCCESS."""
     await app.publish_many([{"name": "job", "params": {"n": i}, "key": f"k{i}"} for i in range(12)])
@@ -80,6 +80,7 @@ async def test_drain_runs_every_claimable_task_then_returns(app: TaskRunner) -> 
     assert await states(app) == {f"k{i}": TaskState.SUCCESS for i in range(12)}
 
 
+@ON_BOTH_STORES
 async def test_drain_runs_the_follow_ups_its_handlers_publish(app: TaskRunner) -> None:
     """A handler that publishes the next task of a chain: the drain runs the whole chain."""
     await app.publish("job", Job(follow_ups=3), key="chain0")
@@ -88,6 +89,7 @@ async def test_drain_runs_the_follow_ups_its_handlers_publish(app: TaskRunner) -
     assert (await app.get("chain3")).results == [{"n": 3}]
 
 
+@ON_BOTH_STORES
 async def test_follow_ups_go_through_the_runner_that_runs_the_handler(
     app: TaskRunner, memory_runner: MemoryRunnerFactory
 ) -> None:
@@ -101,6 +103,7 @@ async def test_follow_ups_go_through_the_runner_that_runs_the_handler(
     assert await app.store.count() == 0
 
 
+@ON_BOTH_STORES
 async def test_drain_leaves_tasks_due_later_pending(app: TaskRunner) -> None:
     """A task whose run_at is an hour away does not keep the drain alive; it stays PENDING."""
     await app.publish("job", key="now")
@@ -109,6 +112,7 @@ async def test_drain_leaves_tasks_due_later_pending(app: TaskRunner) -> None:
     assert await states(app) == {"now": TaskState.SUCCESS, "later": TaskState.PENDING}
 
 
+@ON_BOTH_STORES
 async def test_drain_waits_for_tasks_a_fleet_wide_limit_holds_back(app: TaskRunner) -> None:
     """Tasks of a max_running=1 name are claimable but start one at a time: the drain runs all."""
     await app.publish_many([{"name": "limited", "key": f"l{i}"} for i in range(4)])
@@ -116,6 +120,7 @@ async def test_drain_waits_for_tasks_a_fleet_wide_limit_holds_back(app: TaskRunn
     assert await states(app) == {f"l{i}": TaskState.SUCCESS for i in range(4)}
 
 
+@ON_BOTH_STORES
 async def test_drain_runs_retries_that_are_claimable_at_once(app: TaskRunner) -> None:
     """A failure retried with no backoff is claimable now, so the drain runs it again."""
     await app.publish("flaky", key="f")
@@ -124,6 +129,7 @@ async def test_drain_runs_retries_that_are_claimable_at_once(app: TaskRunner) ->
     assert task.state is TaskState.SUCCESS and task.failures == 1
 
 
+@ON_BOTH_STORES
 async def test_drain_of_an_empty_queue_returns(app: TaskRunner) -> None:
     """With nothing to run, a drain starts, finds nothing claimable and stops."""
     await drain(app, options=WorkerOptions(concurrency=2))

@@ -18,7 +18,7 @@ import yaml
 
 from taskrunner.worker_options import WorkerOptions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 COMPOSE = ROOT / "docker-compose.yml"
 PYTHONS = ["3.11", "3.12", "3.13", "3.14"]

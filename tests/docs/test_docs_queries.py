@@ -44,7 +44,7 @@ from workers import dev_server
 from taskrunner import TaskRunner
 from taskrunner.models import TaskError, WorkerInfo
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXPECT = re.compile(r"<!--\s*expect:\s*(?P<kind>count|keys|keyset|match)=(?P<value>.*?)\s*-->")
 FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
 SHELL_COMMAND = re.compile(r"^\s*db(\.|\[)", re.MULTILINE)

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from faults.proxy import FaultProxy
+from fault_proxy import FaultProxy
 from pymongo import ReadPreference, monitoring
 from pymongo import errors as pe
 from scratch import STORE_DATABASE

@@ -19,7 +19,7 @@ import pytest
 
 from taskrunner import TaskRunner
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 BLOCK = re.compile(r"^```python\n# (\w+\.py)\n(.*?)^```", re.S | re.M)
 INI = "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from taskrunner.cli import app, render
 from taskrunner.models import Task
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(

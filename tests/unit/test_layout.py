@@ -10,7 +10,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "taskrunner"
+PACKAGE = Path(__file__).resolve().parents[2] / "taskrunner"
 
 
 def modules() -> dict[str, Path]:
@@ -123,17 +123,46 @@ def test_store_and_features_import_no_public_api_or_engine_above_them() -> None:
     assert wrong == []
 
 
+TESTS = PACKAGE.parent / "tests"
+TEST_DIRECTORIES = {
+    "unit": "no server and no process of its own",
+    "contract": "each store in the test's process, and the embedded server held to MongoDB's",
+    "processes": "real worker, CLI, demo and benchmark processes",
+    "faults": "faults injected into servers, networks and workers",
+    "browser": "the dashboard in a real browser",
+    "docs": "the documentation's blocks, queries, links and API names",
+}
+"""The test directories, each saying what its tests cost; shared helpers are the modules at the
+top of ``tests/`` and ``tests/apps/``."""
+
+
+def test_every_test_module_is_in_the_directory_of_what_it_costs() -> None:
+    """Test modules live in one of the test directories, and those hold nothing but test modules,
+    ``__init__.py`` and ``conftest.py``: a helper in one would be shared from the wrong place."""
+    misplaced = [
+        path.relative_to(TESTS).as_posix()
+        for path in sorted(TESTS.rglob("*.py"))
+        if (path.name.startswith("test_") or path.parent.name in TEST_DIRECTORIES)
+        and not (
+            len(path.relative_to(TESTS).parts) == 2
+            and path.parent.name in TEST_DIRECTORIES
+            and (path.name.startswith("test_") or path.name in {"__init__.py", "conftest.py"})
+        )
+    ]
+    assert misplaced == []
+
+
 def test_test_modules_do_not_import_each_other() -> None:
-    """Shared test helpers live in support modules or fixtures, never in another test module."""
-    tests = PACKAGE.parent / "tests"
+    """Shared test helpers live in support modules or fixtures, never in another test module
+    or a test directory."""
     found = [
-        (path.relative_to(tests).as_posix(), target)
-        for path in sorted(tests.rglob("test_*.py"))
+        (path.relative_to(TESTS).as_posix(), target)
+        for path in sorted(TESTS.rglob("test_*.py"))
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom | ast.Import)
         for target in (
             [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
         )
-        if target.rpartition(".")[2].startswith("test_")
+        if target.rpartition(".")[2].startswith("test_") or target.partition(".")[0] in TEST_DIRECTORIES
     ]
     assert found == []

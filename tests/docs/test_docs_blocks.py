@@ -18,10 +18,10 @@ does not, and the convention refuses a block that calls it bare):
   ``<!-- run: skip: REASON -->`` does not run it, and must say why (Docker, a real MongoDB,
   minutes of benchmark);
 - ```text, ```json, ```jsonc, ```mermaid and ```promql blocks are samples, never run;
-  ```js blocks are mongo-shell queries, run by tests/test_docs_queries.py; ```toml, ```yaml
+  ```js blocks are mongo-shell queries, run by tests/docs/test_docs_queries.py; ```toml, ```yaml
   and ```ini blocks show configuration files. Any other fence (a bare one included) must
   carry a skip directive, so no block is unrun by accident. docs/testing.md's python blocks
-  are test modules, run by tests/test_testing_docs.py instead.
+  are test modules, run by tests/docs/test_testing_docs.py instead.
 
 ``npx`` in a block runs the pinned mongosh of tests/mongosh.py (as npm's registry may be
 slow or away), and like the real one it refuses to install without ``--yes`` when nobody
@@ -46,14 +46,14 @@ import pytest
 from mongosh import mongosh_path
 from workers import dev_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
 DIRECTIVE = re.compile(r"<!--\s*run:\s*(?P<mode>[\w-]+)(?P<rest>.*?)\s*-->")
 SHELLS = {"sh", "bash", "shell"}
 SAMPLES = {"text", "json", "jsonc", "toml", "yaml", "ini", "mermaid", "promql", "js"}
 # Pages whose ```python blocks another test runs its own way (as a user's test modules).
-PYTHON_RUN_ELSEWHERE = {"testing.md": "tests/test_testing_docs.py"}
+PYTHON_RUN_ELSEWHERE = {"testing.md": "tests/docs/test_testing_docs.py"}
 MODES = {"background", "skip"}
 # A command line that runs the CLI bare (a newcomer in a clone has no `taskrunner` on PATH).
 BARE_CLI = re.compile(r"^\s*(\$\s+)?taskrunner\b", re.M)

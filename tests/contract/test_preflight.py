@@ -67,7 +67,7 @@ PRIVILEGE = re.compile(r'\{resource: \{db: "(\w*)", collection: "([\w.]*)"\}, ac
 
 def documented_roles() -> dict[str, tuple[tuple[dict[str, str], list[str]], ...]]:
     """The privileges of each role docs/security.md creates, read from its mongosh block."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     return {
         name: tuple(
             ({"db": db, "collection": coll}, re.findall(r'"(\w+)"', actions))

@@ -14,7 +14,7 @@ Where the twins disagree, MongoDB's semantics decide (the manual's; the embedded
 imitates them) and the other twin is fixed; each such case stays below as an ``@example``.
 
 CI runs a small, fixed set of examples (``derandomize``). Run it longer locally with
-``TASKRUNNER_TWINS=long uv run pytest -n0 tests/test_twins.py`` (random, 500 examples a
+``TASKRUNNER_TWINS=long uv run pytest -n0 tests/contract/test_twins.py`` (random, 500 examples a
 rule), and ``TASKRUNNER_TEST_MONGO_URI`` set to compare with a real MongoDB too.
 """
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import taskrunner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def own_docstring(obj: object) -> str | None:

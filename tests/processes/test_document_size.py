@@ -270,10 +270,9 @@ async def worker(pool: WorkerPool) -> WorkerProcess:
 
 
 @pytest.fixture
-async def runner(mongo_uri: str, collection: str) -> AsyncIterator[TaskRunner]:
-    async with TaskRunner(mongo_uri, collection=collection) as publisher:
-        await publisher.init()
-        yield publisher
+def runner_collection(collection: str) -> str:
+    """The ``runner`` fixture publishes to the module's collection, which its worker serves."""
+    return collection
 
 
 async def _stored_size(mongo_uri: str, collection: str, key: str) -> int:

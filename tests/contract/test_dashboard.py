@@ -1,5 +1,5 @@
 """The dashboard over HTTP (no browser): pages, filters and paging, escaping, the action
-token and CSRF, and live events from the one change stream (tests/test_dashboard_browser.py
+token and CSRF, and live events from the one change stream (tests/browser/
 drives a real browser)."""
 
 from __future__ import annotations

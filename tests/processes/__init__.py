@@ -1,0 +1,1 @@
+"""Tests that start real processes: ``taskrunner worker`` fleets, CLI commands, the demo, the benchmark scripts."""
