@@ -74,7 +74,7 @@ async def run_once(
             if limit:
                 with warnings.catch_warnings():  # set before its workers start, on purpose
                     warnings.simplefilter("ignore", NoLiveWorkerWarning)
-                    await runner.limit(name, **limit)
+                    await runner.set_limits(name, **limit)
             names = [f"w{i}" for i in range(args.workers)]
             for worker in names:
                 procs.worker(worker, env={"TASKRUNNER_COUNT_ROUNDTRIPS": "1"})
@@ -280,7 +280,7 @@ async def measure(uri: str, args: argparse.Namespace, run: int) -> dict[str, Any
         before, after = args.live
 
         async def change(runner: TaskRunner) -> None:
-            await runner.limit("noop", rate_limit=after)
+            await runner.set_limits("noop", rate_limit=after)
 
         live = await run_once(
             uri, f"rl_{run}_live", args, {"rate_limit": before}, tasks=args.live_tasks, midway=change

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         WriteRejected,
     )
     from taskrunner.limits.gates import Limit
-    from taskrunner.limits.state import LimitState
+    from taskrunner.limits.state import LimitState, LimitView
     from taskrunner.models import (
         EntryState,
         NewTask,
@@ -74,6 +74,7 @@ _EXPORTS = {
     "InvalidTask": "taskrunner.errors",
     "Limit": "taskrunner.limits.gates",
     "LimitState": "taskrunner.limits.state",
+    "LimitView": "taskrunner.limits.state",
     "MalformedTask": "taskrunner.errors",
     "MemoryStore": "taskrunner.store.memory",
     "NewTask": "taskrunner.models",
@@ -150,6 +151,7 @@ __all__ = [
     "InvalidTask",
     "Limit",
     "LimitState",
+    "LimitView",
     "MalformedTask",
     "MemoryStore",
     "NewTask",

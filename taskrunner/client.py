@@ -34,7 +34,7 @@ from taskrunner.errors import (
 )
 from taskrunner.handlers import Handlers, Registration, plain_params
 from taskrunner.limits.gates import Limit, check_max_running, parse_rate
-from taskrunner.limits.state import ALL, LimitState
+from taskrunner.limits.state import ALL, LimitState, LimitView
 from taskrunner.models import (
     NewTask,
     Task,
@@ -397,23 +397,25 @@ class TaskClient:
         if names or worker_ids:
             fleet.warn(fleet.not_live(await self.workers(), names=names, worker_ids=worker_ids), 3)
 
-    async def pause(self, name: str, *, force: bool = False) -> LimitState:
+    async def pause(self, name: str, *, force: bool = False) -> list[LimitState]:
         """Stop claiming tasks of ``name`` (``"*"``: every name) on every worker within a
-        second; running tasks finish and publishing goes on (docs/limits.md).
+        second; running tasks finish and publishing goes on (docs/limits.md). Returns the
+        limits documents written (one), as ``resume`` does.
 
         A name no live worker serves is paused all the same (ahead of a deploy that is
         right) with a ``NoLiveWorkerWarning`` (a typo otherwise); ``force`` skips the check."""
         _limit_name(name)
         if not force and name != ALL:
             await self._check_live(names=[name])
-        return await self.store.pause(name, True)
+        return [await self.store.pause(name, True)]
 
     async def resume(self, name: str) -> list[LimitState]:
-        """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one)."""
+        """Claim ``name`` again; ``"*"`` lifts every pause (of any name, and the global one).
+        Returns the limits documents written (one per pause lifted)."""
         names = await self.paused() if _limit_name(name) == ALL else [name]
         return [await self.store.pause(n, False) for n in names]
 
-    async def limit(
+    async def set_limits(
         self,
         name: str,
         *,
@@ -439,8 +441,8 @@ class TaskClient:
             changes[f.MAX_RUNNING] = None if max_running == 0 else check_max_running(max_running)
         return await self.store.set_limits(name, changes, clear=clear)
 
-    async def limits(self, name: str) -> tuple[Limit, LimitState | None]:
-        """``name``'s limits in force (as a worker of this app applies them) and its
+    async def limits(self, name: str) -> LimitView:
+        """``name``'s limits: those in force (as a worker of this app applies them) and its
         stored limits document (None when there is none)."""
         _limit_name(name)
         code = self.handlers.get(name).limit if name in self.handlers.names() else Limit()
@@ -450,7 +452,7 @@ class TaskClient:
         if state is not None and not code and state.declared:
             declared = state.declared
             code = _limit(declared.get(f.RATE_LIMIT), declared.get(f.MAX_RUNNING), declared.get(f.LIMIT_BY))
-        return (state.limit(code) if state is not None else code), state
+        return LimitView(name, state.limit(code) if state is not None else code, state)
 
     async def paused(self) -> list[str]:
         """Names paused now (``"*"`` when every name is)."""

@@ -10,8 +10,7 @@ from taskrunner.cli.app import app, command
 from taskrunner.cli.options import Connection, call, connected, fail
 
 if TYPE_CHECKING:
-    from taskrunner.limits.gates import Limit
-    from taskrunner.limits.state import LimitState
+    from taskrunner.limits.state import LimitView
     from taskrunner.runner import TaskRunner
 
 Name = Annotated[str | None, typer.Argument(metavar="NAME", help="Task name.")]
@@ -98,12 +97,13 @@ def limit_command(
 ) -> None:
     """Set NAME's fleet-wide limits live (workers apply them within a second); with no option, show them."""
 
-    async def limit(runner: TaskRunner) -> tuple[Limit, LimitState | None]:
+    async def limit(runner: TaskRunner) -> LimitView:
         if rate is not None or max_running is not None or clear:
-            await runner.limit(name, rate_limit=rate, max_running=max_running, clear=clear, force=force)
+            await runner.set_limits(name, rate_limit=rate, max_running=max_running, clear=clear, force=force)
         return await runner.limits(name)
 
-    in_force, state = call(connection, limit)
+    view = call(connection, limit)
+    in_force, state = view.in_force, view.stored
     print(f"{name}: {in_force.describe()}")
     overrides = sorted(set(state.model_fields_set) & {"rate_limit", "max_running"}) if state else []
     if overrides:

@@ -10,16 +10,14 @@ everything with ``$gt``/``$gte``, NaN is below nothing and above nothing.  An ar
 matches when one of its elements does.  Aggregation ``$expr`` comparisons still compare
 across types by the BSON order.
 
-mongoeco 4.11.0 compares across types by the BSON order everywhere, so :func:`install`
-wraps its query matcher's comparison functions (process-wide, once: only the embedded server
-uses mongoeco in a taskrunner process).  ``tests/test_embedded.py`` fails loudly when a
-mongoeco upgrade moves them.
+mongoeco compares across types by the BSON order everywhere, so ``taskrunner.dev.patches``
+wraps its query matcher's comparison functions with the functions written here
+(process-wide, once: only the embedded server uses mongoeco in a taskrunner process).
 """
 
 from __future__ import annotations
 
 import decimal
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,8 +30,6 @@ if MONGOECO_AVAILABLE:
     from mongoeco._types import Decimal128, ObjectId, UndefinedType, is_object_id_like
     from mongoeco.compat import MONGODB_DIALECT_70
     from mongoeco.core.bson_scalars import unwrap_bson_numeric
-    from mongoeco.core.compiled_query import CompiledQuery
-    from mongoeco.core.filtering import QueryEngine
     from mongoeco.core.query_plan import (
         GreaterThanCondition,
         GreaterThanOrEqualCondition,
@@ -43,22 +39,8 @@ if MONGOECO_AVAILABLE:
 
 _OPERATORS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<=", ">": ">", ">=": ">=", "<": "<", "<=": "<="}
 _INCLUSIVE = {">=", "<="}
-_installed = False
 
 Comparison = Callable[..., bool]
-
-
-def install() -> None:
-    """Make mongoeco's query-language comparisons bracket types (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    _replace_classmethod("_comparison_matches_candidate", _bracketed)
-    _replace_classmethod("_match_top_level_comparison", _top_level_missing)
-    _replace_classmethod("_evaluate_comparison", _path_missing)
-    _route_compiled_paths_through_the_plan()
-    CompiledQuery._compile_expression.cache_clear()  # matchers compiled before bound the old functions
 
 
 def _bracket(value: Any) -> int:
@@ -100,13 +82,7 @@ def _missing_matches(target: Any, operator: str) -> bool:
     return _across_brackets(target, op)
 
 
-def _replace_classmethod(name: str, wrap: Callable[[Comparison], Comparison]) -> None:
-    """Replace ``QueryEngine.<name>`` (a classmethod) by ``wrap`` of its function."""
-    original: Comparison = inspect.getattr_static(QueryEngine, name).__func__
-    setattr(QueryEngine, name, classmethod(wrap(original)))
-
-
-def _bracketed(compare: Comparison) -> Comparison:
+def bracketed(compare: Comparison) -> Comparison:
     """One candidate value against the bound: different brackets never match, bar MinKey/MaxKey."""
 
     def comparison(cls: Any, candidate: Any, target: Any, operator: str, /, **options: Any) -> bool:
@@ -120,7 +96,7 @@ def _bracketed(compare: Comparison) -> Comparison:
     return comparison
 
 
-def _top_level_missing(compare: Comparison) -> Comparison:
+def top_level_missing(compare: Comparison) -> Comparison:
     """A top-level field: mongoeco never matches a missing one; MongoDB compares it as null."""
 
     def comparison(cls: Any, doc: Any, field: str, target: Any, operator: str, /, **options: Any) -> bool:
@@ -131,7 +107,7 @@ def _top_level_missing(compare: Comparison) -> Comparison:
     return comparison
 
 
-def _path_missing(compare: Comparison) -> Comparison:
+def path_missing(compare: Comparison) -> Comparison:
     """A dotted path: likewise, a path that reaches no value compares as null."""
 
     def comparison(cls: Any, doc: Any, field: str, target: Any, operator: str, /, **options: Any) -> bool:
@@ -142,7 +118,7 @@ def _path_missing(compare: Comparison) -> Comparison:
     return comparison
 
 
-def _route_compiled_paths_through_the_plan() -> None:
+def through_the_plan(inline: Callable[..., str]) -> Callable[..., str]:
     """Compiled matchers compare dotted paths inline with the unbracketed BSON comparison;
     have them evaluate such a comparison as the query plan does (through the functions above)."""
     conditions = {
@@ -151,7 +127,6 @@ def _route_compiled_paths_through_the_plan() -> None:
         "<": LessThanCondition,
         "<=": LessThanOrEqualCondition,
     }
-    inline = CompiledQuery._comparison_code
 
     def comparison_code(self: Any, field: str, value: Any, operator: str) -> str:
         if "." not in field:
@@ -159,4 +134,4 @@ def _route_compiled_paths_through_the_plan() -> None:
         node = self._store("node", conditions[operator](field, value))
         return f"match_plan(doc, {node}, dialect=dialect, collation=collation, variables=variables)"
 
-    setattr(CompiledQuery, "_comparison_code", comparison_code)  # noqa: B010 - mypy forbids assigning a method
+    return comparison_code

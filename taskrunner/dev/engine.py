@@ -1,4 +1,5 @@
-"""Patches of mongoeco's in-memory engine (one engine instance, the embedded server's own).
+"""What the embedded server adds to mongoeco's in-memory engine before it stores a document
+(``taskrunner.dev.patches`` installs it on the server's own engine instance).
 
 * Inserts that do not read the collection.  Before every single-document insert
   (and the wire ``insert`` command inserts one document at a time) mongoeco compares
@@ -18,13 +19,12 @@
   8.0) answer BSONObjectTooLarge (10334) for all three; taskrunner's store takes every one
   of these answers as ``DocumentTooLarge`` (docs/compatibility.md).
 
-``tests/test_embedded.py`` checks that the patched method still exists with the
-arguments used here.
 """
 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from typing import Any
 
 import bson
@@ -75,10 +75,9 @@ def _too_large(document: dict[str, Any], *, replacing: bool) -> Exception | None
     return failure(message, 2, "BadValue")
 
 
-def patch_engine(engine: Any) -> None:
-    """Install both patches on ``engine`` (its ``_ensure_unique_indexes`` runs before every
-    document mongoeco stores: inserts, updates, upserts and ``$merge``)."""
-    ensure_unique = engine._ensure_unique_indexes
+def checked_store(ensure_unique: Callable[..., None]) -> Callable[..., None]:
+    """``ensure_unique`` (the engine's unique-index check, run before every document mongoeco
+    stores: inserts, updates, upserts and ``$merge``) with both rules above first."""
 
     def checked(db_name: str, coll_name: str, candidate: dict[str, Any], **options: Any) -> None:
         error = _too_large(candidate, replacing=options.get("exclude_storage_key") is not None)
@@ -88,4 +87,4 @@ def patch_engine(engine: Any) -> None:
             options["scan_payload_id"] = False
         ensure_unique(db_name, coll_name, candidate, **options)
 
-    engine._ensure_unique_indexes = checked
+    return checked

@@ -20,7 +20,7 @@ itself (the bridge's change streams and ``collMod``, ``getMore``, ``killCursors`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from taskrunner.dev.engine import current_message_size
@@ -135,11 +135,12 @@ def _format_address(sockname: Any) -> str | None:
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
-def install_connection_hooks(proxy: Any) -> None:
-    """Wrap the proxy's connection handler (to know each connection's local address) and its
-    request dispatch (to know the message size, and to close a connection on DropConnection)."""
-    handle = proxy._handle_connection
-    dispatch = proxy._dispatch_wire_request
+def connection_hooks(
+    handle: Callable[..., Awaitable[None]], dispatch: Callable[..., Awaitable[bytes | None]]
+) -> tuple[Callable[..., Awaitable[None]], Callable[..., Awaitable[bytes | None]]]:
+    """The proxy's connection handler (made to record each connection's local address) and
+    its request dispatch (made to record the message size, and to close a connection on
+    DropConnection)."""
 
     async def handle_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         local_address.set(_format_address(writer.get_extra_info("sockname")))  # this task's context
@@ -155,5 +156,4 @@ def install_connection_hooks(proxy: Any) -> None:
             current_message_size.reset(size)
         return response
 
-    proxy._handle_connection = handle_connection
-    proxy._dispatch_wire_request = dispatch_or_drop
+    return handle_connection, dispatch_or_drop

@@ -31,9 +31,9 @@ proxy's command executor and fixes what taskrunner depends on:
 * Test faults (``taskrunner.dev.faults``): the ``taskrunnerFault`` admin command, and
   mongoeco's ``failCommand`` fail point on what the bridge answers itself.
 
-The bridge reads mongoeco internals (the executor seam and its request context, the
-proxy's connection handler and dispatch, the engine's unique-index check);
-``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves any of them.
+Every change to mongoeco's own objects is made in ``taskrunner.dev.patches``, pinned to
+the mongoeco release it was written for; the server refuses to start on another, and
+``tests/contract/test_embedded.py`` fails loudly when an upgrade moves what it reaches.
 """
 
 from __future__ import annotations
@@ -47,20 +47,19 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from taskrunner.dev import bracketing
-from taskrunner.dev.engine import current_command, patch_engine
+from taskrunner.dev import patches
+from taskrunner.dev.engine import current_command
 from taskrunner.dev.faults import (
     FAIL_POINT_COMMANDS,
     FAULT_COMMAND,
     DropConnection,
     Faults,
     apply_fail_point,
-    install_connection_hooks,
 )
 from taskrunner.dev.replset import ReplicaSet, interrupted, is_hello
 from taskrunner.dev.retryable import RetryableWrites, retryable_write
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
-from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, mongoeco_mismatch, plain_int
+from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
 if MONGOECO_AVAILABLE:
     from mongoeco.api import AsyncMongoClient as _EcoClient
@@ -80,7 +79,7 @@ _MISSING_EXTRA = (
 def _require_mongoeco() -> None:
     if not MONGOECO_AVAILABLE:
         raise RuntimeError(_MISSING_EXTRA)
-    if (mismatch := mongoeco_mismatch()) is not None:
+    if (mismatch := patches.mongoeco_mismatch()) is not None:
         raise RuntimeError(mismatch)
 
 
@@ -337,12 +336,12 @@ class EmbeddedServer:
     async def _start_proxy(self) -> str:
         proxy = AsyncMongoEcoProxyServer(client=self._client, host=self._host, port=self._port)
         self._proxy = proxy
-        bracketing.install()
+        patches.patch_query_language()
         self._streams = ChangeStreams(self._client, self._history_size)
-        patch_engine(self._client._engine)
+        patches.patch_engine(self._client._engine)
         replica_set = ReplicaSet(fallback_address=f"{self._host}:{self._port}")
-        proxy._executor = _BridgeExecutor(proxy._executor, self._streams, replica_set)
-        install_connection_hooks(proxy)
+        streams = self._streams
+        patches.patch_proxy(proxy, lambda inner: _BridgeExecutor(inner, streams, replica_set))
         address = await proxy.start()
         replica_set.fallback_address = f"{address.host}:{address.port}"
         return _format_uri(address.host, address.port)

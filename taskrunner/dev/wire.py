@@ -3,7 +3,6 @@ Int64 unwrapping, and the request context of a command the bridge answers itself
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,23 +13,6 @@ except ImportError:  # Python < 3.13 or the 'embedded' extra is missing.
     MONGOECO_AVAILABLE = False
 else:
     MONGOECO_AVAILABLE = True
-
-MONGOECO_VERSION = "4.11.0"
-"""The mongoeco release the bridge was written for: it reaches into mongoeco's internals
-(change hub, query planner, wire proxy), which another release may change silently, so
-pyproject.toml pins it and the server refuses to start on another."""
-
-
-def mongoeco_mismatch(installed: str | None = None) -> str | None:
-    """Why the installed mongoeco cannot serve (another release than ``MONGOECO_VERSION``),
-    or None when it is the one."""
-    found = installed if installed is not None else importlib.metadata.version("mongoeco")
-    if found == MONGOECO_VERSION:
-        return None
-    return (
-        f"the embedded server's bridge was written for mongoeco {MONGOECO_VERSION} and reaches into "
-        f"its internals; mongoeco {found} is installed: pip install 'mongoeco=={MONGOECO_VERSION}'"
-    )
 
 
 def failure(message: str, code: int, code_name: str, *labels: str) -> Exception:

@@ -15,6 +15,7 @@ tasks finish and publishing goes on. Resuming sweeps at once for the backlog.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -93,6 +94,18 @@ class LimitState(BaseModel):
             return cls.model_validate(doc)
         except ValidationError as exc:
             return Unreadable.of(doc, first_error(exc))
+
+
+@dataclass(frozen=True, slots=True)
+class LimitView:
+    """A task name's limits as operators see them (``runner.limits(name)``, ``taskrunner
+    limit NAME``)."""
+
+    name: str
+    in_force: Limit
+    """What a worker of this app applies: operators' limits over the code's."""
+    stored: LimitState | None
+    """The stored limits document (pause, operators' limits, throttles); None when there is none."""
 
 
 def readable_limit(doc: dict[str, Any]) -> LimitState:

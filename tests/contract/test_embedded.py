@@ -279,7 +279,9 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
     from mongoeco.core.filtering import QueryEngine
     from mongoeco.wire import proxy, requests
 
-    assert importlib.metadata.version("mongoeco") == "4.11.0", "mongoeco is not the pinned 4.11.0"
+    from taskrunner.dev.patches import MONGOECO_VERSION
+
+    assert importlib.metadata.version("mongoeco") == MONGOECO_VERSION, "mongoeco is not the pinned release"
     broken = [
         f"proxy.py no longer calls {call}" for call in _PROXY_CALLS if call not in inspect.getsource(proxy)
     ]
@@ -307,8 +309,8 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
         stream.close()
     broken += _engine_and_fail_point_internals_broken()
     assert not broken, (
-        "mongoeco internals used by taskrunner/dev/ (server.py, oplog.py, streams.py, bracketing.py,"
-        " engine.py, faults.py, retryable.py) changed: " + "; ".join(broken)
+        "mongoeco internals used by taskrunner/dev/ (patches.py and the modules it names, oplog.py,"
+        " streams.py, retryable.py) changed: " + "; ".join(broken)
     )
 
 
@@ -423,14 +425,14 @@ def test_mongosh_reads_a_published_task(tmp_path: Path) -> None:
 def test_the_server_refuses_another_mongoeco_release_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bridge reaches into mongoeco's internals: on a release other than the pinned one
     the server does not start, and the error names the release found and the one to install."""
-    from taskrunner.dev import wire
+    from taskrunner.dev import patches
 
-    assert wire.mongoeco_mismatch() is None  # the pinned release is what the suite runs on
+    assert patches.mongoeco_mismatch() is None  # the pinned release is what the suite runs on
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    assert pyproject.count(f"mongoeco=={wire.MONGOECO_VERSION};") == 2  # the extra and the dev group
-    assert importlib.metadata.version("mongoeco") == wire.MONGOECO_VERSION
+    assert pyproject.count(f"mongoeco=={patches.MONGOECO_VERSION};") == 2  # the extra and the dev group
+    assert importlib.metadata.version("mongoeco") == patches.MONGOECO_VERSION
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.12.0")
     with pytest.raises(RuntimeError) as refused:
         EmbeddedServer()
     message = str(refused.value)
-    assert "mongoeco 4.12.0 is installed" in message and f"mongoeco=={wire.MONGOECO_VERSION}" in message
+    assert "mongoeco 4.12.0 is installed" in message and f"mongoeco=={patches.MONGOECO_VERSION}" in message

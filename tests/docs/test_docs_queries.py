@@ -212,7 +212,7 @@ async def _load_sample(uri: str, database: str) -> None:
         await runner.pause("digest", force=True)  # no worker is live in the sample
         # "email" is declared with max_running=3; an operator set its rate to 10/s.
         await store.declare_limits("email", {"rate_limit": None, "max_running": 3, "limit_by": None})
-        await runner.limit("email", rate_limit="10/s")
+        await runner.set_limits("email", rate_limit="10/s")
         # The registry: A and B beat; C stopped beating a minute ago.
         # Hour-long registrations: the live workers must stay live however slowly mongosh runs.
         for worker_id, names, running, ttl in (

@@ -253,14 +253,14 @@ async def test_limits_lowered_live_apply_to_held_lanes_and_slots(
     another run of it going, even one begun before the change, and no second of paced
     holds more than 2 starts; before, the old limits held; every task finishes. Runs of
     a second outlast that second, so the slots held at the change are tested too."""
-    await runner.limit("capped", max_running=6)
+    await runner.set_limits("capped", max_running=6)
     with WorkerPool(mongo_uri, collection_name, tmp_path, app=APP) as pool:
         workers = await start(pool, runner, 3)
         specs = list(mix(capped=24, paced=30, per_tenant=0, seconds=1.0))
         await runner.publish_many(specs)
         await wait_for(partial(_at_least, runner, 6, "capped"), 120, "6 capped tasks done")
-        await runner.limit("capped", max_running=1)
-        await runner.limit("paced", rate_limit="2/s")
+        await runner.set_limits("capped", max_running=1)
+        await runner.set_limits("paced", rate_limit="2/s")
         applied = [await wait_for(partial(_applied, w), 30, f"{w.worker_id} to apply them") for w in workers]
         since = max(applied) + GRACE
         tasks = await wait_for(lambda: all_done(runner, len(specs)), 180, "every task to finish")

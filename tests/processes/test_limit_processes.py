@@ -117,7 +117,7 @@ async def test_limit_by_limits_each_value_and_rate_limited_holds_back_only_that_
 
 
 async def _throttled_until(runner: TaskRunner, gate: str) -> datetime | None:
-    _, state = await runner.limits(gate.split("#")[0])
+    state = (await runner.limits(gate.split("#")[0])).stored
     return next((t.until for t in state.throttled_gates if t.gate == gate), None) if state else None
 
 
@@ -145,7 +145,7 @@ async def test_a_backlog_published_before_the_workers_hides_no_limited_names_tas
     published before any worker runs: sweeps read each limited name's tasks on their own,
     so the exclusive tasks all run while most of the metered backlog still waits (before,
     they waited until fewer than a sweep's 100 metered tasks were left)."""
-    await runner.limit("metered", rate_limit="1/s")
+    await runner.set_limits("metered", rate_limit="1/s")
     await runner.publish_many([{"name": "metered", "key": f"m{i:03}"} for i in range(150)])
     await runner.publish_many(
         [{"name": "exclusive", "key": f"x{i}", "params": {"seconds": 0.1}} for i in range(6)]
@@ -178,12 +178,12 @@ async def test_a_backlog_starts_at_the_full_rate_across_workers_and_after_a_live
     second from a second after the change until its last start; no 1 s window ever holds
     more than the rate in force (a lane idles neither while its own worker's tasks are done
     and others' wait, nor while the gate is dealt again after the change)."""
-    await runner.limit("metered", rate_limit="10/s")
+    await runner.set_limits("metered", rate_limit="10/s")
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
         await _start_workers(pool, 4)
         await runner.publish_many([{"name": "metered", "key": f"m{i:02}"} for i in range(50)])
         await wait_for(lambda: _started(runner, "metered", 25), 120, "half the backlog to start")
-        changed = await runner.limit("metered", rate_limit="2/s")
+        changed = await runner.set_limits("metered", rate_limit="2/s")
         tasks = await wait_for(lambda: _done(runner, "metered", 50), 120, "the metered tasks")
     starts = _starts(tasks)
     assert changed.updated_at is not None

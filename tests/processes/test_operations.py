@@ -486,16 +486,16 @@ async def test_pause_and_limit_of_a_name_no_live_worker_serves_warn_and_go_ahead
         await runner.pause("sleeep")
     assert caught[0].message.names == ["sleeep"]  # type: ignore[union-attr]
     with pytest.warns(NoLiveWorkerWarning, match="task name 'nosuchname'"):
-        await runner.limit("nosuchname", rate_limit="1/s")
+        await runner.set_limits("nosuchname", rate_limit="1/s")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         await runner.pause("sleep")
         await runner.pause("deploying_next", force=True)
         await runner.pause("*")
-        await runner.limit("quick", max_running=2)
-        await runner.limit("deploying_next", max_running=1, force=True)
+        await runner.set_limits("quick", max_running=2)
+        await runner.set_limits("deploying_next", max_running=1, force=True)
     assert set(await runner.paused()) == {"sleeep", "sleep", "deploying_next", "*"}
-    assert (await runner.limits("nosuchname"))[1] is not None  # stored: the warning blocks nothing
+    assert (await runner.limits("nosuchname")).stored is not None  # stored: the warning blocks nothing
 
 
 async def test_tasks_pinned_to_ids_no_live_worker_has_warn_and_show_in_stats(runner: TaskRunner) -> None:

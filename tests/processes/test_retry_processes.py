@@ -140,5 +140,5 @@ async def test_tasks_held_back_by_rate_limited_start_promptly_when_it_ends(
 
 
 async def _gate_throttle(runner: TaskRunner, gate: str) -> datetime | None:
-    _, state = await runner.limits(gate.split("#")[0])
+    state = (await runner.limits(gate.split("#")[0])).stored
     return next((t.until for t in state.throttled_gates if t.gate == gate), None) if state else None

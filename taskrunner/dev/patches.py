@@ -1,0 +1,87 @@
+"""Every change the embedded server makes to mongoeco's own objects, in one place.
+
+The bridge was written for one mongoeco release, ``MONGOECO_VERSION``, pinned in
+pyproject.toml: it replaces or wraps the private attributes listed below, which another
+release may move or change silently. The server refuses to start on another release, naming
+the one found and the one to install, and ``tests/contract/test_embedded.py`` checks that each
+attribute still exists with the arguments used here.
+
+What is patched (the behaviour is written in the module named):
+
+* ``QueryEngine._comparison_matches_candidate``, ``._match_top_level_comparison`` and
+  ``._evaluate_comparison``, ``CompiledQuery._comparison_code``: query-language range
+  comparisons bracket BSON types, as MongoDB's (``taskrunner.dev.bracketing``).
+  Process-wide, once.
+* The server's engine, ``_ensure_unique_indexes``: MongoDB's 16 MiB document limit, and
+  inserts that do not scan the collection (``taskrunner.dev.engine``).
+* The server's proxy, ``_executor``: the bridge (``taskrunner.dev.server``), answering what
+  mongoeco lacks; ``_handle_connection`` and ``_dispatch_wire_request``: each connection's
+  address and message size, and dropped connections as a test fault (``taskrunner.dev.faults``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from taskrunner.dev import bracketing
+from taskrunner.dev.engine import checked_store
+from taskrunner.dev.faults import connection_hooks
+from taskrunner.dev.wire import MONGOECO_AVAILABLE
+
+if MONGOECO_AVAILABLE:
+    from mongoeco.core.compiled_query import CompiledQuery
+    from mongoeco.core.filtering import QueryEngine
+
+MONGOECO_VERSION = "4.11.0"
+"""The mongoeco release the bridge was written for."""
+
+_query_language_patched = False
+
+
+def mongoeco_mismatch(installed: str | None = None) -> str | None:
+    """Why the installed mongoeco cannot serve (another release than ``MONGOECO_VERSION``),
+    or None when it is the one."""
+    found = installed if installed is not None else importlib.metadata.version("mongoeco")
+    if found == MONGOECO_VERSION:
+        return None
+    return (
+        f"the embedded server's bridge was written for mongoeco {MONGOECO_VERSION} and reaches into "
+        f"its internals; mongoeco {found} is installed: pip install 'mongoeco=={MONGOECO_VERSION}'"
+    )
+
+
+def patch_query_language() -> None:
+    """Range comparisons bracket types (process-wide; idempotent)."""
+    global _query_language_patched
+    if _query_language_patched:
+        return
+    _query_language_patched = True
+    _wrap_classmethod("_comparison_matches_candidate", bracketing.bracketed)
+    _wrap_classmethod("_match_top_level_comparison", bracketing.top_level_missing)
+    _wrap_classmethod("_evaluate_comparison", bracketing.path_missing)
+    comparison_code = bracketing.through_the_plan(CompiledQuery._comparison_code)
+    setattr(CompiledQuery, "_comparison_code", comparison_code)  # noqa: B010 - mypy forbids assigning a method
+    CompiledQuery._compile_expression.cache_clear()  # matchers compiled before bound the old functions
+
+
+def patch_engine(engine: Any) -> None:
+    """The size limit and the insert fast path on the server's own engine."""
+    engine._ensure_unique_indexes = checked_store(engine._ensure_unique_indexes)
+
+
+def patch_proxy(proxy: Any, bridge: Callable[[Any], Any]) -> None:
+    """The bridge in place of the proxy's executor (``bridge`` gets the original), and the
+    connection hooks around its connection handler and dispatch."""
+    proxy._executor = bridge(proxy._executor)
+    proxy._handle_connection, proxy._dispatch_wire_request = connection_hooks(
+        proxy._handle_connection, proxy._dispatch_wire_request
+    )
+
+
+def _wrap_classmethod(name: str, wrap: Callable[[Callable[..., bool]], Callable[..., bool]]) -> None:
+    """Replace ``QueryEngine.<name>`` (a classmethod) by ``wrap`` of its function."""
+    original: Callable[..., bool] = inspect.getattr_static(QueryEngine, name).__func__
+    setattr(QueryEngine, name, classmethod(wrap(original)))
