@@ -236,7 +236,7 @@ def _metrics_observer(port: int, host: str, runner: TaskRunner) -> WorkerObserve
     from taskrunner.observability.logs import get_logger
 
     try:
-        from taskrunner.metrics import PrometheusObserver, serve_metrics
+        from taskrunner.observability.metrics import PrometheusObserver, serve_metrics
     except ImportError as exc:
         fail(f"--metrics-port: {exc}")
     observer = PrometheusObserver(tasks=runner.handlers.names())

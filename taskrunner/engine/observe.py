@@ -1,4 +1,4 @@
-"""What a worker reports as it works, for metrics (``taskrunner.metrics``) or your own hooks."""
+"""What a worker reports as it works, for metrics (``taskrunner.observability.metrics``) or your own hooks."""
 
 from __future__ import annotations
 

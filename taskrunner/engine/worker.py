@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskrunner._version import __version__
 from taskrunner.engine.claim_queue import ClaimQueue, Due, Kind, Place, Rank
+from taskrunner.engine.clock import ServerClock
 from taskrunner.engine.discovery import Discovery
 from taskrunner.engine.execution import Execution, Stop
 from taskrunner.engine.heartbeat import Heartbeat
@@ -56,7 +57,7 @@ from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
 from taskrunner.schedules.scheduler import Scheduler
 from taskrunner.store import preflight, rules
-from taskrunner.store.base import Claim, Claimed, Store, Window
+from taskrunner.store.base import Claim, Claimed, Window
 from taskrunner.store.fields import BUCKETS
 from taskrunner.store.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.worker_options import WorkerOptions
@@ -79,7 +80,6 @@ QUIET_SWEEP_INTERVAL = 2.0  # the same after a sweep that saw nothing, while not
 FLEET_SWEEPS = 4.0  # sweeps per second the live workers of a name make together, at most
 SWEEP_LIMIT = 100  # tasks one sweep reads (of each state: RUNNING, PENDING)
 BUSY_SWEEP_LIMIT = 10  # the same while the worker has due tasks of its own
-CLOCK_SAMPLES = 3  # round trips per estimate of the server's clock (the quickest is kept)
 DRAIN_RECHECK = 0.25  # seconds between a drain's checks while claimable tasks wait for their grace
 DRAIN_SLACK = 1.0  # draining, tasks due within this many seconds count as claimable now
 RECOVERED = "claims recovered after a lost reply"
@@ -118,37 +118,12 @@ def default_worker_id() -> str:
     return host + suffix  # a long host name is cut: every run's entry names its worker
 
 
-class ServerClock:
-    """This machine's estimate of the server's clock (offset measured with ``hello``)."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-        self.error = 0.02
-        """The most the estimate may be off: the server read its clock between the
-        request and the reply, so by at most half their round trip from the middle."""
-
-    async def sync(self, store: Store) -> None:
-        """The offset from the quickest of ``CLOCK_SAMPLES`` round trips (the first may
-        include connecting): its error bound is the smallest."""
-        samples = []
-        for _ in range(CLOCK_SAMPLES):
-            before = time.time()
-            server = (await store.server_time()).timestamp()
-            after = time.time()
-            samples.append((after - before, server - (before + after) / 2))
-        took, self.offset = min(samples)
-        self.error = took / 2
-
-    def now(self) -> float:
-        return time.time() + self.offset
-
-
 class Worker:
     """One worker process's engine: claims and runs the tasks of ``runner``'s handlers.
 
     Configure it with ``options`` (a ``WorkerOptions``) or with its fields as keywords
     (``Worker(runner, concurrency=4)``), which override ``options``. ``observer`` receives
-    the worker's events (``taskrunner.metrics.PrometheusObserver``). ``await run()``
+    the worker's events (``taskrunner.observability.metrics.PrometheusObserver``). ``await run()``
     until ``stop()``; ``TaskRunner.run_worker`` does both for you.
     """
 

@@ -1,3 +1,4 @@
-"""What taskrunner tells operators: its logging (``logs``), the round-trip counter the
+"""What taskrunner tells operators: Prometheus metrics (``metrics``, public: the worker's
+observer and its HTTP endpoint), its logging (``logs``), the round-trip counter the
 benchmarks use (``roundtrips``) and the redaction of secrets in what it logs or stores
-(``redact``). Prometheus metrics are the public ``taskrunner.metrics``."""
+(``redact``)."""

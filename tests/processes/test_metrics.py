@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from workers import TESTS_DIR, WorkerPool
 
 from taskrunner import TaskRunner
-from taskrunner.metrics import PrometheusObserver, serve_metrics
 from taskrunner.models import Task, WorkerEntry
+from taskrunner.observability.metrics import PrometheusObserver, serve_metrics
 from taskrunner.testing import wait_for
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
