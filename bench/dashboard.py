@@ -12,8 +12,8 @@ page) stay open while a publisher writes ``--rate`` no-op tasks per second for `
 and the workers run them; ``live_render_*`` are the overview's and task list's response
 times meanwhile, ``live_commands_per_s`` what the dashboard sent the server, and
 ``change_streams_opened`` the change streams it opened in all; ``*_pending`` count the
-responses that were the "being read" placeholder instead of the page's figures (the issue's budget: one
-change stream and one query per second per open page type). The live part is skipped
+responses that were the "being read" placeholder instead of the page's figures (the dashboard's budget: one
+change stream and one query per second per open page type, docs/dashboard.md). The live part is skipped
 (figures null) without chromium. ``--hog`` keeps both cores busy with two spinning processes
 while timing.
 

@@ -5,7 +5,7 @@ Starts the embedded server, N in-process workers (each its own client with a
 until all are SUCCESS and divides each worker command count by M. Counting starts
 after the workers have settled (startup scan, first beats) and stops when the last
 task succeeds; startup is reported separately. ``worker_writes_per_task`` is the
-issue's target figure: claims + lease renewals + outcomes (jobs ``claim`` and
+figure the engine is held to (docs/benchmarks.md, "Targets"): claims + lease renewals + outcomes (jobs ``claim`` and
 ``run_writes``); ``roundtrips_per_task`` counts every worker command, discovery and
 registry included. Cross-checks with the server's ``serverStatus`` opcounters when
 the server has them: ``clients`` counts what every client sent (the workers plus this

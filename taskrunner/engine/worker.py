@@ -948,7 +948,7 @@ class Worker:
         )
 
     async def _registry_loop(self) -> None:
-        """Heartbeat into the registry and learn the live peers (for claim ranks)."""
+        """Beat into the registry and learn the live peers (for task ownership and schedule firing)."""
         while not self._stop.is_set():
             try:
                 if await self.store.beat(self.info(), ttl=5 * self.beat_interval):
