@@ -12,6 +12,10 @@ What is patched (the behaviour is written in the module named):
   ``._evaluate_comparison``, ``CompiledQuery._comparison_code``: query-language range
   comparisons bracket BSON types, as MongoDB's (``taskrunner.dev.bracketing``).
   Process-wide, once.
+* ``transform_stages._evaluate_expression_with_missing`` and
+  ``runtime_state._evaluate_expression_with_missing`` (how ``$set``/``$addFields`` compute a
+  field): a ``$cond`` or ``$switch`` whose branch is missing sets nothing, as MongoDB's
+  (``taskrunner.dev.computed``). Process-wide, once.
 * The server's engine, ``_ensure_unique_indexes``: MongoDB's 16 MiB document limit, and
   inserts that do not scan the collection (``taskrunner.dev.engine``).
 * The server's proxy, ``_executor``: the bridge (``taskrunner.dev.server``), answering what
@@ -26,12 +30,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from taskrunner.dev import bracketing
+from taskrunner.dev import bracketing, computed
 from taskrunner.dev.engine import checked_store
 from taskrunner.dev.faults import connection_hooks
 from taskrunner.dev.wire import MONGOECO_AVAILABLE
 
 if MONGOECO_AVAILABLE:
+    from mongoeco.core.aggregation import runtime_state, transform_stages
     from mongoeco.core.compiled_query import CompiledQuery
     from mongoeco.core.filtering import QueryEngine
 
@@ -54,7 +59,8 @@ def mongoeco_mismatch(installed: str | None = None) -> str | None:
 
 
 def patch_query_language() -> None:
-    """Range comparisons bracket types (process-wide; idempotent)."""
+    """Range comparisons bracket types, and computed fields may be missing (process-wide;
+    idempotent)."""
     global _query_language_patched
     if _query_language_patched:
         return
@@ -65,6 +71,9 @@ def patch_query_language() -> None:
     comparison_code = bracketing.through_the_plan(CompiledQuery._comparison_code)
     setattr(CompiledQuery, "_comparison_code", comparison_code)  # noqa: B010 - mypy forbids assigning a method
     CompiledQuery._compile_expression.cache_clear()  # matchers compiled before bound the old functions
+    name = "_evaluate_expression_with_missing"
+    for module in (transform_stages, runtime_state):
+        setattr(module, name, computed.keeping_missing(getattr(module, name)))
 
 
 def patch_engine(engine: Any) -> None:

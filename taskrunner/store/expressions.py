@@ -91,12 +91,6 @@ def _missing(path: str) -> Expr:
     return {"$eq": [{"$type": f.ref(path)}, "missing"]}
 
 
-def kept(path: str) -> Expr:
-    """The field as it is, for a branch of ``$cond`` or ``$switch``: removed when missing,
-    spelled out because the embedded server sets null where MongoDB sets nothing."""
-    return {"$cond": [_missing(path), "$$REMOVE", f.ref(path)]}
-
-
 RUN_AT: Expr = {"$ifNull": [f.ref(f.RUN_AT), None]}
 """``run_at`` as a value to copy: null when missing (``doc.get`` in the rules)."""
 
@@ -302,7 +296,7 @@ def claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
         {
             "$set": {
                 f.FAILURES: {"$add": [f.ref(f.FAILURES), {"$size": expired}]},
-                f.ATTEMPTS: {"$cond": [reap, kept(f.ATTEMPTS), attempts]},
+                f.ATTEMPTS: {"$cond": [reap, f.ref(f.ATTEMPTS), attempts]},
             }
         },
         {"$set": {f.WORKERS: {"$cond": [reap, reaped, claimed]}}},
@@ -640,8 +634,8 @@ def pending_update_summary(now: Expr) -> list[Expr]:
     updated = {"$eq": ["$_tr_updated", True]}
     ended = {"$and": [updated, {"$eq": [f.ref(f.STATE), TaskState.FAIL.value]}]}
     changes = {
-        f.CLAIMABLE_AT: {"$cond": [ended, "$$REMOVE", kept(f.CLAIMABLE_AT)]},
-        f.FINISHED_AT: {"$cond": [updated, finished_at(now), kept(f.FINISHED_AT)]},
+        f.CLAIMABLE_AT: {"$cond": [ended, "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": [updated, finished_at(now), f.ref(f.FINISHED_AT)]},
     }
     return [{"$set": changes}, {"$unset": ["_tr_updated"]}]
 
@@ -683,8 +677,8 @@ def retry(now: Expr = NOW) -> list[Expr]:
     # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
     again = {
         f.STATE: {"$cond": ["$_tr_recheck", TaskState.PENDING.value, f.ref(f.STATE)]},
-        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", kept(f.CLAIMABLE_AT)]},
-        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", kept(f.FINISHED_AT)]},
+        f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
+        f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.FINISHED_AT)]},
     }
     return [
         trim_failed_runs(),

@@ -926,3 +926,24 @@ def test_a_branch_naming_a_missing_field_sets_nothing(server: Scratch) -> None:
     ends_missing = {"a": {"$cond": [False, 1, "$nope"]}, "b": {"$ifNull": ["$nope", "$nope2"]}}
     server.collection.update_one({f.ID: 0}, [{"$set": ends_missing}])
     assert server.documents()[0] == {f.ID: 0}
+
+
+def test_a_computed_field_whose_branch_is_missing_is_not_set(server: Scratch) -> None:
+    """The server semantics the twins rely on: ``$set`` of a ``$cond`` or ``$switch`` whose
+    branch taken is a missing field sets nothing (rules.py then leaves the field absent too),
+    and a branch that has a value sets it."""
+    server.load(batch({"present": 5}))
+    pipeline = [
+        {
+            "$set": {
+                "cond": {"$cond": [False, 1, "$absent"]},
+                "cond_object": {"$cond": {"if": "$absent", "then": 1, "else": "$absent"}},
+                "switch": {"$switch": {"branches": [{"case": True, "then": "$absent"}], "default": 1}},
+                "default": {"$switch": {"branches": [{"case": False, "then": 1}], "default": "$absent"}},
+                "kept": {"$cond": [True, "$present", "$absent"]},
+                "nested": {"$cond": [True, {"$cond": [True, "$absent", 1]}, 2]},
+            }
+        }
+    ]
+    _, found = server.updated({}, pipeline)
+    assert {k: v for k, v in found[0].items() if k != f.ID} == {"present": 5, "kept": 5}
