@@ -4,4 +4,6 @@ MongoDB expressions (``expressions``), field and index names (``fields``), the d
 budget (``sizes``), the validator and the start-up check (``preflight``).
 
 Nothing is imported here: the CLI reads ``fields`` for its help without loading the store.
+What users name (``MemoryStore``, ``ServerCheck``, ``ServerInfo``) is exported by
+``taskrunner``; the rest is internal and may change.
 """
