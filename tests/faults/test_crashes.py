@@ -291,7 +291,7 @@ async def test_killed_change_stream_cursor_strands_no_task(
             finally:
                 await client.close()
             assert sorted(reply["cursorsKilled"]) == sorted(cursors)
-            await asyncio.sleep(0.5)
+            await wait_for(lambda: set(streams._cursors) - cursors, 30, "the worker to open a new stream")
             after = [f"after-{i}" for i in range(6)]
             await runner.publish_many([{"name": "nap", "key": k, "params": {"seconds": 0.1}} for k in after])
             await wait_for(lambda: succeeded(runner, 10), 30, "10 successes", interval=0.2)

@@ -271,7 +271,9 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
         leaving = workers.pop(first.worker_id)
         [staying] = workers.values()
         async with ChangeRecorder(mongo_uri, collection_name) as changes:
-            await asyncio.sleep(0.3)
+            await wait_for(
+                lambda: pool.marks(key="handover", event="start"), 30, "the first handler to start"
+            )
             signalled = time.monotonic()
             leaving.terminate()
             seen = await wait_for(
