@@ -261,7 +261,7 @@ async def test_browse_pages_past_documents_whose_sort_value_is_not_a_date(store:
     """Pages of one task each list every document once: dates newest first, then those
     whose sort value is not a date (missing, null, text, a number) by key descending. On
     MongoDB a range on a date matches only dates (type bracketing), so a cursor on dates
-    alone dropped those from page 2 on; the embedded server matched them loosely and hid it."""
+    alone would drop those from page 2 on, which a server matching such ranges loosely hides."""
     runner = TaskRunner(store=store)
     await runner.publish_many([{"name": "ok", "key": f"d{i}"} for i in range(3)], allow_unknown=True)
     odd: dict[str, Any] = {"n-null": None, "n-text": "yesterday", "n-num": 5, "n-missing": ...}
