@@ -89,7 +89,7 @@ async def test_pause_all_lets_running_tasks_finish_and_resume_all_restarts_every
         await wait_for(lambda: _read_pause(workers, "quick"), 30, "the worker to read the pause")
         await runner.publish_many([{"name": "quick", "key": f"n{i}"} for i in range(5)])
         long = await wait_for(lambda: _finished(runner, "long"), 60, "the running task to finish")
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # nothing may start for 3 s (the behaviour under test)
         waiting = await _states(runner, "n")
         assert await runner.paused() == ["*"]
         await runner.resume("*")
