@@ -27,6 +27,7 @@ live in the claim filter run at store level on both ``MemoryStore`` and ``MongoS
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -36,7 +37,6 @@ from typing import Any
 import pytest
 import runs
 
-import taskrunner.engine.worker as worker_module
 from taskrunner.context import TaskContext
 from taskrunner.engine.worker import Worker
 from taskrunner.errors import StoreUnavailable
@@ -480,7 +480,6 @@ async def test_gap_11_leases_and_schedule_follow_the_server_clock(
         def time() -> float:
             return real_time() + skew
 
-    monkeypatch.setattr(worker_module, "time", SkewedTime())
     claimed: list[str] = []
 
     @runner.task("job", ping_interval=1, ping_timeout=40)
@@ -488,6 +487,8 @@ async def test_gap_11_leases_and_schedule_follow_the_server_clock(
         claimed.append(ctx.key)
 
     w = worker(runner, "w1", concurrency=2)
+    # The worker's clock reads this machine's time where its class is defined: skew it there.
+    monkeypatch.setattr(sys.modules[type(w.clock).__module__], "time", SkewedTime())
     async with running(w):
         before = await runner.store.server_time()
         due = await runner.publish("job", key="due")
