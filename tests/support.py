@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,11 @@ async def run_until(worker: Worker, condition: Any, within: float = 20.0) -> Non
     finally:
         worker.stop()
         await running
+
+
+def logged(logs: Sequence[Mapping[str, Any]], event: str) -> bool:
+    """Whether ``event`` is among the log entries ``structlog.testing.capture_logs`` caught."""
+    return any(entry["event"] == event for entry in logs)
 
 
 def run_bench(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -38,7 +39,16 @@ from taskrunner import Task, TaskRunner
 from taskrunner.dev.processes import LoggedProcess, ProcessGroup, dev_server, worker_env
 from taskrunner.testing import wait_for
 
-__all__ = ["ChangeRecorder", "WorkerPool", "WorkerProcess", "dev_server", "finished", "wait_exit", "wait_for"]
+__all__ = [
+    "ChangeRecorder",
+    "WorkerPool",
+    "WorkerProcess",
+    "dev_server",
+    "finished",
+    "peers_known",
+    "wait_exit",
+    "wait_for",
+]
 
 TESTS_DIR = Path(__file__).resolve().parent
 ACCEPTANCE_APP = "apps.acceptance_app:runner"
@@ -108,6 +118,25 @@ async def finished(runner: TaskRunner, *keys: str) -> list[Task] | None:
     """The tasks, once every one of them is SUCCESS, FAIL or CANCELED (for ``wait_for``)."""
     tasks = [await runner.get(key) for key in keys]
     return tasks if all(t.state.finished for t in tasks) else None
+
+
+async def peers_known(runner: TaskRunner, worker_ids: list[str], within: float = 60) -> None:
+    """Wait until each of ``worker_ids`` has read a registry holding all of them: every one is
+    registered, and each has beaten since the last of them registered (a worker reads the
+    registry right after writing its beat)."""
+
+    async def registered() -> datetime | None:
+        beats = {w.worker_id: w.beat_at for w in await runner.workers()}
+        if not set(worker_ids) <= set(beats) or any(beats[w] is None for w in worker_ids):
+            return None
+        return max(beat for w in worker_ids if (beat := beats[w]) is not None)
+
+    async def beaten_since(moment: datetime) -> bool:
+        beats = {w.worker_id: w.beat_at for w in await runner.workers()}
+        return all((beat := beats.get(w)) is not None and beat > moment for w in worker_ids)
+
+    last = await wait_for(registered, within, "every worker to register")
+    await wait_for(lambda: beaten_since(last), within, "every worker to read the registry again")
 
 
 async def wait_exit(worker: WorkerProcess, within: float) -> int:

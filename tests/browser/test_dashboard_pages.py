@@ -1,4 +1,4 @@
-"""Issue 13's proof: the dashboard in headless chromium against real worker processes.
+"""The dashboard in headless chromium against real worker processes.
 
 Each test starts ``taskrunner dashboard`` (a process, as an operator would) on its own
 collection of the embedded server, and ``taskrunner worker`` processes where work must run.

@@ -27,16 +27,16 @@ live in the claim filter run at store level on both ``MemoryStore`` and ``MongoS
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 import runs
 
-import taskrunner.engine.worker as worker_module
 from taskrunner.context import TaskContext
 from taskrunner.engine.worker import Worker
 from taskrunner.errors import StoreUnavailable
@@ -142,6 +142,25 @@ def count_scans(w: Worker) -> list[int]:
 
     w.discovery.sweep_at = sweep_at
     return scans
+
+
+def hear_inserts(w: Worker) -> list[str]:
+    """Wrap the worker's discovery: the returned list grows by the key of each insert its stream delivers."""
+    inserted: list[str] = []
+    on_event = w.discovery.on_event
+
+    def record(event: ChangeEvent) -> None:
+        if event.kind == "insert" and event.key is not None:
+            inserted.append(event.key)
+        on_event(event)
+
+    w.discovery.on_event = record  # type: ignore[method-assign]
+    return inserted
+
+
+async def later_than(store: Store, moment: datetime) -> bool:
+    """Whether the server's clock has passed ``moment``."""
+    return await store.server_time() > moment
 
 
 def count_sweeps(runner: TaskRunner) -> list[int]:
@@ -313,7 +332,8 @@ async def test_gap_07_free_slot_is_claimable_at_the_earliest_lease_expiry(runner
     store = runner.store
     await runner.publish("job", key="k")
     dead = await store.claim("dead", key="k")  # never pings
-    await asyncio.sleep(0.3)
+    assert dead is not None
+    await wait_for(lambda: later_than(store, dead.entry.claimed_at), what="server time to move on")
     alive = await store.claim("alive", key="k")
     assert dead is not None and alive is not None
     task = await store.get("k")
@@ -392,10 +412,15 @@ async def test_gap_09_sweeps_reach_every_task_and_keep_due_keys(runner: TaskRunn
 
             await runner.publish("job", key="block")
             await asyncio.wait_for(gate.entered.wait(), 20)
-            for key, priority in (("d1", 1), ("d3", 3), ("d2", 2)):
+            delayed = [
                 await runner.publish("job", key=key, priority=priority, delay=0.3)
-            await asyncio.sleep(1.0)  # their time comes while the only slot is busy
-            assert order[-1] == "block"
+                for key, priority in (("d1", 1), ("d3", 3), ("d2", 2))
+            ]
+            # Their time comes while the only slot is busy.
+            await wait_for(lambda: all(t.key in w.queue for t in delayed), what="the worker to queue them")
+            due = max(t.run_at for t in delayed)
+            await wait_for(lambda: later_than(runner.store, due), what="their run_at to pass")
+            assert order[-1] == "block" and all(t.key in w.queue for t in delayed)
             gate.opened.set()
             await wait_for(lambda: len(order) == 14)
     finally:
@@ -418,6 +443,7 @@ async def test_gap_10_event_bursts_while_busy_are_not_dropped(runner: TaskRunner
 
     w = worker(runner, "w1", queue_capacity=16)
     sweeps = count_sweeps(runner)
+    heard = hear_inserts(w)
     burst = [f"n{i:03}" for i in range(100)]
     async with running(w):
         await runner.publish("job", key="block")
@@ -425,7 +451,7 @@ async def test_gap_10_event_bursts_while_busy_are_not_dropped(runner: TaskRunner
         await runner.publish_many([{"name": "job", "key": k} for k in burst[:50]])
         for key in burst[50:]:
             await runner.publish("job", key=key)
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: set(burst) <= set(heard), what="the burst to reach the worker")
         assert counts == {"block": 1}
         gate.opened.set()
         await wait_for(lambda: len(counts) == 101, within=40)
@@ -454,7 +480,6 @@ async def test_gap_11_leases_and_schedule_follow_the_server_clock(
         def time() -> float:
             return real_time() + skew
 
-    monkeypatch.setattr(worker_module, "time", SkewedTime())
     claimed: list[str] = []
 
     @runner.task("job", ping_interval=1, ping_timeout=40)
@@ -462,6 +487,8 @@ async def test_gap_11_leases_and_schedule_follow_the_server_clock(
         claimed.append(ctx.key)
 
     w = worker(runner, "w1", concurrency=2)
+    # The worker's clock reads this machine's time where its class is defined: skew it there.
+    monkeypatch.setattr(sys.modules[type(w.clock).__module__], "time", SkewedTime())
     async with running(w):
         before = await runner.store.server_time()
         due = await runner.publish("job", key="due")
@@ -530,11 +557,10 @@ async def test_gap_13_shutdown_stops_handlers_and_releases_without_failure(runne
     assert task.state is TaskState.PENDING and task.workers == []
     assert task.failures == 0 and task.attempts == 1
     assert task.claimable_at is not None and task.claimable_at <= await runner.store.server_time()
-    await asyncio.sleep(0.3)
-    assert len(ticks) == stopped_at  # the handler really stopped
 
     async with running(worker(runner, "w2")):
         await wait_for(state_is(runner, "k", TaskState.SUCCESS), within=20)
+    assert len(ticks) == stopped_at  # the handler really stopped: not one tick while w2 ran the task
     task = await runner.get("k")
     assert [(w.worker_id, w.state) for w in task.workers] == [("w2", EntryState.SUCCESS)]
     assert task.failures == 0 and task.attempts == 2
@@ -559,15 +585,7 @@ async def test_gap_14_one_stream_delivers_every_event_in_order(
     monkeypatch.setattr(runner.store, "watch", spy)
     w = worker(runner, "w1")
     scans = count_scans(w)
-    inserted: list[str] = []
-    on_event = w.discovery.on_event
-
-    def record(event: ChangeEvent) -> None:
-        if event.kind == "insert" and event.key is not None:
-            inserted.append(event.key)
-        on_event(event)
-
-    monkeypatch.setattr(w.discovery, "on_event", record)
+    inserted = hear_inserts(w)
     keys = [f"e{i:02}" for i in range(30)]
     async with running(w):
         await runner.publish("job", key="block")

@@ -21,7 +21,7 @@ from taskrunner.errors import NoLiveWorkerWarning, StoreError
 from taskrunner.models import TaskState, WorkerInfo
 from taskrunner.runner import TaskRunner
 from taskrunner.store import fields as f
-from taskrunner.store.base import Listed, Listing, Store
+from taskrunner.store.base import ChangeStream, Listed, Listing, Store
 from taskrunner.store.memory import MemoryStore
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import ManualClock, wait_for
@@ -261,7 +261,7 @@ async def test_browse_pages_past_documents_whose_sort_value_is_not_a_date(store:
     """Pages of one task each list every document once: dates newest first, then those
     whose sort value is not a date (missing, null, text, a number) by key descending. On
     MongoDB a range on a date matches only dates (type bracketing), so a cursor on dates
-    alone dropped those from page 2 on; the embedded server matched them loosely and hid it."""
+    alone would drop those from page 2 on, which a server matching such ranges loosely hides."""
     runner = TaskRunner(store=store)
     await runner.publish_many([{"name": "ok", "key": f"d{i}"} for i in range(3)], allow_unknown=True)
     odd: dict[str, Any] = {"n-null": None, "n-text": "yesterday", "n-num": 5, "n-missing": ...}
@@ -357,9 +357,7 @@ async def test_served_dashboard_prints_no_token_in_a_url(capsys: pytest.CaptureF
             serve_dashboard(TaskRunner(store=MemoryStore()), port=0, allow_actions=True, token=given)
         )
         try:
-            async with asyncio.timeout(10):
-                while "action token:" not in (out := capsys.readouterr().out):
-                    await asyncio.sleep(0.05)
+            out = await printed(capsys, "action token:")
         finally:
             serving.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -417,12 +415,12 @@ async def test_credentials_in_the_uri_are_never_shown() -> None:
 
 async def test_hub_fans_one_stream_out_to_every_subscriber() -> None:
     """Two subscribers each get the change; a full queue drops its oldest message."""
-    store = MemoryStore()
+    store = WatchedStore()
     hub = Hub(store, queue_size=2)
     first, second = hub.subscribe(), hub.subscribe()
     following = asyncio.create_task(hub.run())
     try:
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(store.watching.wait(), 10)
         await TaskRunner(store=store).publish("ok", key="a", allow_unknown=True)
         message = await asyncio.wait_for(first.get(), 5)
         assert '"key": "a"' in message
@@ -455,13 +453,35 @@ async def test_served_dashboard_streams_a_change_to_the_browser(capsys: pytest.C
             await serving
 
 
+async def printed(capsys: pytest.CaptureFixture[str], text: str) -> str:
+    """Everything printed until ``text`` was."""
+    out: list[str] = []
+
+    def seen() -> bool:
+        out.append(capsys.readouterr().out)
+        return text in "".join(out)
+
+    await wait_for(seen, 10, f"{text!r} to be printed")
+    return "".join(out)
+
+
 async def printed_url(capsys: pytest.CaptureFixture[str]) -> str:
-    async with asyncio.timeout(10):
-        while True:
-            found = re.search(r"dashboard: (http://\S+)", capsys.readouterr().out)
-            if found:
-                return found.group(1)
-            await asyncio.sleep(0.05)
+    found = re.search(r"dashboard: (http://\S+)", await printed(capsys, "dashboard: http://"))
+    assert found is not None
+    return found.group(1)
+
+
+class WatchedStore(MemoryStore):
+    """A memory store that says when a change stream was opened on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watching = asyncio.Event()
+
+    async def watch(self, **kwargs: Any) -> ChangeStream:
+        stream = await super().watch(**kwargs)
+        self.watching.set()
+        return stream
 
 
 def test_binding_beyond_loopback_warns() -> None:

@@ -23,6 +23,7 @@ from pymongo.errors import OperationFailure
 from workers import dev_server
 
 from taskrunner.dev.server import EmbeddedServer
+from taskrunner.testing import wait_for
 
 pytestmark = pytest.mark.embedded
 
@@ -117,12 +118,13 @@ async def test_parked_get_more_returns_as_soon_as_a_write_lands(
     embedded_uri: str, collection_name: str
 ) -> None:
     """A getMore waiting on maxAwaitTimeMS=10s returns soon after a write, not at the deadline."""
-    async with _client(embedded_uri) as client:
+    recorder = _Recorder()
+    async with _client(embedded_uri, event_listeners=[recorder]) as client:
         tasks = client.taskrunner[collection_name]
         async with await tasks.watch(max_await_time_ms=10_000) as stream:
 
             async def write_later() -> float:
-                await asyncio.sleep(0.3)  # lets the getMore park in the hub first
+                await wait_for(lambda: "getMore" in recorder.commands, what="the getMore to be sent")
                 written_at = time.monotonic()
                 await tasks.insert_one({"_id": "late"})
                 return written_at

@@ -672,8 +672,10 @@ async def test_a_workers_stream_hears_new_work_and_wakes_but_no_claims_renewals_
     assert second is not None
     await runs.succeed(store, "b", second.run_id, 1)
     [wake] = await next_events(stream, 1)
-    assert await stream.next(0.3) is None
+    await publish(store, task("marker"))  # written last: nothing before it may follow the wake
+    [after] = await next_events(stream, 1)
     await stream.close()
+    assert (after.kind, after.key) == ("insert", "marker")
     assert [(e.kind, e.key) for e in inserts] == [("insert", "a"), ("insert", "b")]
     assert inserts[0].task is not None and not inserts[0].wake
     assert wake.wake and wake.task is None and wake.kind == "update"
@@ -689,10 +691,10 @@ async def test_a_stream_for_some_buckets_hears_only_their_inserts(store: Store, 
     await publish(store, *(task(k) for k in keys), task("m", name="mail"))
     await raw_insert({"key": "nobucket", "name": "job", "params": {}})
     await raw_insert({"key": "outofrange", "name": "job", "params": {}, "bucket": 5000})
-    heard = await next_events(stream, len([k for k in keys if rules.bucket_of(k) in mine]) + 3)
-    assert await stream.next(0.3) is None
+    await publish(store, task("marker", name="mail"))  # written last: it follows what was heard
+    heard = await next_events(stream, len([k for k in keys if rules.bucket_of(k) in mine]) + 4)
     await stream.close()
-    expected = [k for k in keys if rules.bucket_of(k) in mine] + ["m", "nobucket", "outofrange"]
+    expected = [k for k in keys if rules.bucket_of(k) in mine] + ["m", "nobucket", "outofrange", "marker"]
     assert [e.key for e in heard] == expected and len(expected) > 3
 
 
@@ -706,10 +708,11 @@ async def test_a_release_and_a_retry_wake_a_workers_stream(store: Store) -> None
     await store.release("r", claim.run_id)
     await runs.fail(store, "f", failed.run_id, TaskError(type="E", message="final"))  # no budget: no wake
     await store.retry("f")
-    events = await next_events(stream, 2)
-    assert await stream.next(0.3) is None
+    await publish(store, task("marker"))  # written last: nothing but the two wakes comes before it
+    events = await next_events(stream, 3)
     await stream.close()
-    assert all(e.wake and e.task is None for e in events)
+    assert all(e.wake and e.task is None for e in events[:2])
+    assert (events[2].kind, events[2].key) == ("insert", "marker")
 
 
 async def test_due_finds_claimable_work_for_a_worker_earliest_first(store: Store) -> None:

@@ -224,7 +224,7 @@ def batches(of: st.SearchStrategy[Doc] = documents) -> st.SearchStrategy[list[Do
     return st.lists(of, min_size=20, max_size=40).map(numbered)
 
 
-# -- regression examples: documents on which the twins once disagreed ----------------------------
+# -- fixed examples: documents on the edges where the two writings of a rule part most easily --
 SECOND = timedelta(seconds=1)
 
 
@@ -849,6 +849,7 @@ FAILED = {f.STATE: "FAIL", f.FINISHED_AT: NOW - SECOND}
 
 @twins
 @example(docs=batch(task({f.STATE: "FAIL", f.ERROR: {}, f.FINISHED_AT: NOW}), task({f.STATE: ["FAIL"]})))
+@example(docs=batch(task({**FAILED, f.WORKERS: MISSING})))  # no workers field: it stays missing
 @example(
     docs=batch(
         task(

@@ -215,7 +215,7 @@ async def test_stalled_worker_is_taken_over_and_its_late_writes_are_rejected(
             await wait_for(
                 lambda: pool.marks(run_id=old.run_id, event="cancelled"), 10, "the old handler's cancel"
             )
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a late write of the old run would show in the changes by now
         assert stalled.alive() and owner.alive()
     stopped_after = datetime.fromisoformat(stop["timestamp"]).timestamp() - resumed_at
     versions = [doc for _, doc in changes.of("stall")]
@@ -291,7 +291,7 @@ async def test_killed_change_stream_cursor_strands_no_task(
             finally:
                 await client.close()
             assert sorted(reply["cursorsKilled"]) == sorted(cursors)
-            await asyncio.sleep(0.5)
+            await wait_for(lambda: set(streams._cursors) - cursors, 30, "the worker to open a new stream")
             after = [f"after-{i}" for i in range(6)]
             await runner.publish_many([{"name": "nap", "key": k, "params": {"seconds": 0.1}} for k in after])
             await wait_for(lambda: succeeded(runner, 10), 30, "10 successes", interval=0.2)
@@ -321,7 +321,7 @@ async def test_lost_change_history_leads_to_a_sweep_and_strands_nothing(
             await runner.publish_many(
                 [{"name": "nap", "key": f"gap-{i:02d}", "params": {"seconds": 0.05}} for i in range(60)]
             )
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the stalled worker stays behind while the history moves on
             worker.resume()
             await wait_for(lambda: succeeded(runner, 61), 60, "61 successes", interval=0.2)
             assert worker.find("change stream history lost; sweeping")
@@ -369,7 +369,7 @@ async def test_task_that_kills_its_workers_ends_fail_and_the_fleet_survives(
                     lambda: _finished(runner, "poison"), 60, "the poison task to end", interval=0.2
                 )
                 await wait_for(lambda: succeeded(runner, 20), 60, "20 successes", interval=0.2)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # a worker still to crash on the poison would be dead by now
         finally:
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)

@@ -244,3 +244,8 @@ async def test_slow_server_keeps_leases_alive(
     assert [(e.worker_id, e.state) for e in final.workers] == [("w1", EntryState.SUCCESS)]
     assert not w1.find("stopping run") and not w2_claims
     assert [m["worker_id"] for m in pool.marks(key="slow", event="start")] == ["w1"]
+    # w2 was there to take over, had a lease lapsed: it started before the task finished.
+    [w2_started] = w2.find("worker started")
+    [entry] = final.workers
+    assert entry.finished_at is not None
+    assert datetime.fromisoformat(w2_started["timestamp"]) < entry.finished_at, (w2_started, entry)

@@ -202,7 +202,7 @@ async def test_worker_logs_never_show_the_password(collection_name: str, tmp_pat
             30,
             "an error about the unreachable server",
         )
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # a later line (one per outage) would be written by now
         if worker.alive():
             worker.terminate()
             await wait_exit(worker, 15)

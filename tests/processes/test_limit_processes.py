@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
-from workers import WorkerPool
+from workers import WorkerPool, WorkerProcess, peers_known
 
 from taskrunner import Task, TaskRunner, TaskState
 from taskrunner.cli import app
@@ -62,10 +62,13 @@ def _most_at_once(tasks: list[Task]) -> int:
     return best
 
 
-async def _start_workers(pool: WorkerPool, count: int) -> None:
-    workers = pool.start_many([f"w{i}" for i in range(count)], "--beat-interval", "0.5")
+async def _start_workers(pool: WorkerPool, runner: TaskRunner, count: int) -> list[WorkerProcess]:
+    """Start ``count`` workers and wait until each knows all the others (lanes are dealt among them)."""
+    ids = [f"w{i}" for i in range(count)]
+    workers = pool.start_many(ids, "--beat-interval", "0.5")
     await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
-    await asyncio.sleep(1.5)  # every worker has seen the others in the registry
+    await peers_known(runner, ids)
+    return workers
 
 
 async def test_a_rate_limit_holds_in_every_sliding_window_across_workers(
@@ -74,7 +77,7 @@ async def test_a_rate_limit_holds_in_every_sliding_window_across_workers(
     """metered is declared "4/s": 24 tasks on 3 worker processes never start more than 4
     in any 1 s window, and all of them run."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 3)
+        await _start_workers(pool, runner, 3)
         await runner.publish_many([{"name": "metered", "key": f"m{i}"} for i in range(24)])
         tasks = await wait_for(lambda: _done(runner, "metered", 24), 120, "the metered tasks")
     assert _most_in_window(_starts(tasks), 1.0) <= 4
@@ -86,7 +89,7 @@ async def test_max_running_is_never_exceeded_at_any_instant(
     """exclusive is declared max_running=2: 12 tasks of 0.3 s on 3 worker processes (10
     slots each) never overlap more than 2 at once, by the documents' start and end times."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 3)
+        await _start_workers(pool, runner, 3)
         await runner.publish_many([{"name": "exclusive", "key": f"x{i}"} for i in range(12)])
         tasks = await wait_for(lambda: _done(runner, "exclusive", 12), 120, "the exclusive tasks")
     assert _most_at_once(tasks) <= 2
@@ -100,7 +103,7 @@ async def test_limit_by_limits_each_value_and_rate_limited_holds_back_only_that_
     it starts before the throttle's end in the limits document (server time) once the
     workers have read it, while tenant b runs."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 2)
+        await _start_workers(pool, runner, 2)
         await runner.publish("per_tenant", {"tenant": "a", "throttle": 3.0}, key="a-first")
         until = await wait_for(lambda: _throttled_until(runner, 'per_tenant#"a"'), 60, "tenant a's throttle")
         await asyncio.sleep(1.0)  # every worker reads it within a second, as a name-wide throttle
@@ -116,6 +119,11 @@ async def test_limit_by_limits_each_value_and_rate_limited_holds_back_only_that_
     assert min(_starts(by_tenant["b"])) < until
 
 
+def _read_limit(worker: WorkerProcess, name: str, rate: str) -> bool:
+    """Whether ``worker`` has logged ``name``'s limit changed to ``rate``."""
+    return any(rate in str(e.get("limits", {}).get(name, "")) for e in worker.find("limits changed"))
+
+
 async def _throttled_until(runner: TaskRunner, gate: str) -> datetime | None:
     state = (await runner.limits(gate.split("#")[0])).stored
     return next((t.until for t in state.throttled_gates if t.gate == gate), None) if state else None
@@ -124,13 +132,16 @@ async def _throttled_until(runner: TaskRunner, gate: str) -> datetime | None:
 async def test_an_operator_changes_a_rate_live_and_clear_restores_the_code(
     mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
 ) -> None:
-    """`taskrunner limit metered --rate 2/s` applies to starts from a second later (no
-    window holds more than 2); `limit metered` shows it; `--clear` goes back to 4/s."""
+    """`taskrunner limit metered --rate 2/s` applies to starts once the workers have read it
+    (each logs the change; no window holds more than 2 from then on); `limit metered` shows it;
+    `--clear` goes back to 4/s."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 2)
+        workers = await _start_workers(pool, runner, 2)
         shown = await _cli(mongo_uri, collection_name, "limit", "metered", "--rate", "2/s")
         assert "rate 2/1s" in shown.output and "set by operators: rate_limit" in shown.output
-        await asyncio.sleep(1.0)
+        await wait_for(
+            lambda: all(_read_limit(w, "metered", "2/1s") for w in workers), 30, "the workers to read it"
+        )
         await runner.publish_many([{"name": "metered", "key": f"slow{i}"} for i in range(10)])
         tasks = await wait_for(lambda: _done(runner, "metered", 10), 120, "the slowed tasks")
         assert _most_in_window(_starts(tasks), 1.0) <= 2
@@ -151,7 +162,7 @@ async def test_a_backlog_published_before_the_workers_hides_no_limited_names_tas
         [{"name": "exclusive", "key": f"x{i}", "params": {"seconds": 0.1}} for i in range(6)]
     )
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 2)
+        await _start_workers(pool, runner, 2)
         await wait_for(lambda: _done(runner, "exclusive", 6), 120, "the exclusive tasks")
         metered = await runner.store.count(state=TaskState.SUCCESS, name="metered")
     assert metered < 40
@@ -180,7 +191,7 @@ async def test_a_backlog_starts_at_the_full_rate_across_workers_and_after_a_live
     and others' wait, nor while the gate is dealt again after the change)."""
     await runner.set_limits("metered", rate_limit="10/s")
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 4)
+        await _start_workers(pool, runner, 4)
         await runner.publish_many([{"name": "metered", "key": f"m{i:02}"} for i in range(50)])
         await wait_for(lambda: _started(runner, "metered", 25), 120, "half the backlog to start")
         changed = await runner.set_limits("metered", rate_limit="2/s")
@@ -239,7 +250,7 @@ async def test_max_running_keeps_its_slots_busy_while_tasks_wait(
     once (half of them within 60 ms of that end, by the documents' server times), never
     at a later look or sweep (fewer than 2 run for at most 0.5 s at a time)."""
     with WorkerPool(mongo_uri, collection_name, tmp_path) as pool:
-        await _start_workers(pool, 3)
+        await _start_workers(pool, runner, 3)
         await runner.publish_many(
             [{"name": "exclusive", "key": f"x{i:02}", "params": {"seconds": 0.5}} for i in range(12)]
         )

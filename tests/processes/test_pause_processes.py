@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 from typer.testing import CliRunner, Result
-from workers import WorkerPool
+from workers import WorkerPool, WorkerProcess
 
 from taskrunner import TaskRunner, TaskState
 from taskrunner.cli import app
@@ -53,7 +53,7 @@ async def test_a_paused_name_is_not_claimed_until_resumed_and_other_names_run_on
         workers = pool.start_many(["w1", "w2"], "--beat-interval", "0.5")
         await wait_for(lambda: all(w.find("worker started") for w in workers), 60, "workers to start")
         feeding = asyncio.create_task(_feed(runner, "q", 60, 0.05))
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: _some_succeeded(runner, "q", 3), 30, "the first fed tasks to run")
         await _cli(mongo_uri, collection_name, "pause", "quick")
         await feeding
         await runner.publish_many(
@@ -86,10 +86,10 @@ async def test_pause_all_lets_running_tasks_finish_and_resume_all_restarts_every
         await runner.publish("sleep", {"seconds": 2}, key="long")
         await wait_for(lambda: _running(runner, "long"), 60, "the long task to start")
         await runner.pause("*")
-        await asyncio.sleep(1.5)
+        await wait_for(lambda: _read_pause(workers, "quick"), 30, "the worker to read the pause")
         await runner.publish_many([{"name": "quick", "key": f"n{i}"} for i in range(5)])
         long = await wait_for(lambda: _finished(runner, "long"), 60, "the running task to finish")
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # nothing may start for 3 s (the behaviour under test)
         waiting = await _states(runner, "n")
         assert await runner.paused() == ["*"]
         await runner.resume("*")
@@ -97,6 +97,15 @@ async def test_pause_all_lets_running_tasks_finish_and_resume_all_restarts_every
     assert long.state is TaskState.SUCCESS
     assert waiting == {"PENDING": 5}
     assert await runner.paused() == []
+
+
+async def _some_succeeded(runner: TaskRunner, prefix: str, n: int) -> bool:
+    return (await _states(runner, prefix)).get(TaskState.SUCCESS.value, 0) >= n
+
+
+def _read_pause(workers: list[WorkerProcess], name: str) -> bool:
+    """Whether every worker has logged ``name`` among its paused names."""
+    return all(any(name in e["paused"] for e in w.find("paused names changed")) for w in workers)
 
 
 async def _feed(runner: TaskRunner, prefix: str, n: int, every: float) -> None:

@@ -123,7 +123,7 @@ async def test_stalled_worker_loses_its_claim_and_writes_nothing(
             await wait_for(lambda: stalled.find("stopping run", key="stall"), 15, "the stalled run to stop")
             [done] = await wait_for(lambda: finished(runner, "stall"), 30, "the new owner to finish")
             await wait_for(lambda: pool.marks(key="stall", event="cancelled"), 10, "the old handler's cancel")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a late write of the old run would show in the changes by now
         assert stalled.alive()
     [stop] = stalled.find("stopping run", key="stall")
     assert stop["reason"] in ("claim lost", "lease unconfirmed for ping_timeout")
@@ -271,7 +271,9 @@ async def test_sigterm_releases_the_run_for_another_worker_at_once(
         leaving = workers.pop(first.worker_id)
         [staying] = workers.values()
         async with ChangeRecorder(mongo_uri, collection_name) as changes:
-            await asyncio.sleep(0.3)
+            await wait_for(
+                lambda: pool.marks(key="handover", event="start"), 30, "the first handler to start"
+            )
             signalled = time.monotonic()
             leaving.terminate()
             seen = await wait_for(

@@ -28,10 +28,12 @@ class CountingStore(MemoryStore):
         self.batches: list[list[RunWrite]] = []
         self.claimed: list[int] = []  # tasks each claim_many took
         self.delay = delay
+        self.on_the_wire = asyncio.Event()  # set when a first batch is sent
 
     async def write_runs(self, writes: Sequence[RunWrite]) -> list[RunResult]:
         self.calls["write_runs"] += 1
         self.batches.append(list(writes))
+        self.on_the_wire.set()
         await asyncio.sleep(self.delay)  # a round trip takes time; writes meanwhile queue up
         return await super().write_runs(writes)
 
@@ -66,7 +68,8 @@ async def test_writes_submitted_during_a_round_trip_go_out_together() -> None:
     writes = RunWrites(store)
     submit = [writes.submit(RunWrite("success", c.task.key, c.run_id, "w1", i)) for i, c in enumerate(claims)]
     first = asyncio.create_task(submit[0])
-    await asyncio.sleep(0.01)  # the first batch is on the wire
+    await asyncio.wait_for(store.on_the_wire.wait(), 10)
+    assert not first.done(), "the first batch's round trip ended before the others were submitted"
     results = await asyncio.gather(first, *submit[1:])
     assert results == [RunStatus.DONE] * 5
     assert [len(b) for b in store.batches] == [1, 4]

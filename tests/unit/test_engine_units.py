@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from structlog.testing import capture_logs
-from support import run_until
+from support import logged, run_until
 
 from taskrunner import MemoryStore, TaskContext, TaskRunner, TaskState
 from taskrunner.engine.claim_queue import ClaimQueue, Place, Rank
@@ -122,8 +122,8 @@ async def test_worker_polls_when_the_server_has_no_change_streams() -> None:
     worker = Worker(runner, worker_id="w", poll_interval=0.2)
     await runner.publish("job", key="before")
 
-    async def later() -> None:
-        await asyncio.sleep(0.5)
+    async def later() -> None:  # published once the worker runs, so only a later poll can find it
+        await wait_for(lambda: done == ["before"], what="the first task to run")
         await runner.publish("job", key="after")
 
     publisher = asyncio.create_task(later())
@@ -197,52 +197,32 @@ async def test_a_worker_hears_a_hand_written_document_and_runs_it() -> None:
     store = BlindSweeps()
     runner, done = make_runner(store)
     worker = Worker(runner, worker_id="w")
-    running = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(10):
-            await asyncio.sleep(0.3)  # the stream is open; its first sweep has run
+    with capture_logs() as logs:
+        running = asyncio.create_task(worker.run())
+        try:
+            await wait_for(lambda: logged(logs, "change stream opened"), what="the worker's stream to open")
             store.insert_document({"key": "heard", "name": "job"})
-            while done != ["heard"]:
-                await asyncio.sleep(0.02)
-    finally:
-        worker.stop()
-        await running
+            await wait_for(lambda: done == ["heard"], 10, "the hand-written task to run", interval=0.02)
+        finally:
+            worker.stop()
+            await running
     assert (await runner.get("heard")).state is TaskState.SUCCESS
 
 
-class ForgetfulStore(MemoryStore):
-    """Loses change history once, as a server does when a stream falls too far behind."""
-
-    lost = False
-
-    async def watch(
-        self,
-        *,
-        resume_after: Any = None,
-        key: str | None = None,
-        work_for: Any = None,
-        owned: Any = None,
-        summary: bool = False,
-    ) -> ChangeStream:
-        if resume_after is not None and not self.lost:
-            self.lost = True
-            self._events.clear()
-        return await super().watch(
-            resume_after=resume_after, key=key, work_for=work_for, owned=owned, summary=summary
-        )
-
-
 async def test_lost_history_leads_to_a_sweep_and_no_stranded_task() -> None:
-    """After ChangeHistoryLost the worker sweeps, so tasks written in the gap still run."""
-    store = ForgetfulStore(history=1)
+    """After ChangeHistoryLost the worker sweeps, so tasks written in the gap still run: a store
+    keeping one change loses the stream's place as five tasks land at once."""
+    store = MemoryStore(history=1)
     runner, done = make_runner(store)
     worker = Worker(runner, worker_id="w")
-    running = asyncio.create_task(worker.run())
-    await asyncio.sleep(0.3)
-    await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(5)])
-    await wait_for(lambda: len(done) == 5, what="five tasks run")
-    worker.stop()
-    await running
+    with capture_logs() as logs:
+        running = asyncio.create_task(worker.run())
+        await wait_for(lambda: logged(logs, "change stream opened"), what="the worker's stream to open")
+        await runner.publish_many([{"name": "job", "key": f"k{i}"} for i in range(5)])
+        await wait_for(lambda: len(done) == 5, what="five tasks run")
+        worker.stop()
+        await running
+    assert logged(logs, "change stream history lost; sweeping"), "the history was never lost"
     assert sorted(done) == [f"k{i}" for i in range(5)]
     assert await runner.store.count(state=TaskState.SUCCESS) == 5
 

@@ -595,7 +595,9 @@ async def test_a_claim_whose_reply_was_lost_runs_on_its_single_owners_slot() -> 
     await runner.publish("limited", key="orphan")
     await run_worker_until(Worker(runner, worker_id="w"), lambda: ran == ["orphan"])
     task = await runner.get("orphan")
+    assert store.lost == 0, "no claim's reply was lost"
     assert task.state is TaskState.SUCCESS and [e.worker_id for e in task.workers] == ["w"]
+    assert task.attempts == 2 and task.workers[0].took_over == ["w"]  # the run took the orphan over
 
 
 async def test_a_worker_with_an_open_slot_takes_on_another_owners_backlog_of_the_gate() -> None:

@@ -18,7 +18,7 @@ from taskrunner.testing import wait_for
 
 
 def test_setting_only_retry_backoff_keeps_a_fixed_delay() -> None:
-    """The default policy is exponential; ``retry_backoff`` alone means the fixed delay it always meant."""
+    """The default policy is exponential; ``retry_backoff`` alone means a fixed delay of that many seconds."""
     assert TaskOptions().backoff == "exponential"
     assert TaskOptions(retry_backoff=7).backoff == "fixed"
     assert TaskOptions(retry_backoff=7, backoff="exponential").backoff == "exponential"
