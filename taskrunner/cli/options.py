@@ -6,7 +6,7 @@ Every error ends in ``fail()``: one line on stderr naming the problem, exit code
 Command modules import at module level only what ``--help`` needs (typer and the option
 types); the engine, pydantic, pymongo and rich are imported inside the commands that use
 them, so every command starts at the cost of the libraries it needs (bench/cli_startup.py,
-tests/test_cli_startup.py).
+tests/processes/test_cli_startup.py).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ the same shape, fed from mongoeco's change hub, and serves its streams from it
   document's history) and records ``updatedFields``/``removedFields``/``truncatedArrays``
   in MongoDB's dotted-path form.
 
-It replaces the hub's append funnel (a mongoeco internal); ``tests/test_embedded.py`` fails
-loudly when a mongoeco upgrade moves it.
+It takes the place of the hub's append funnel (a mongoeco internal, replaced in
+``taskrunner.dev.patches``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from taskrunner.dev import patches
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, failure
 
 if MONGOECO_AVAILABLE:
@@ -145,8 +146,7 @@ class Oplog:
         self._silenced: Counter[tuple[str, str]] = Counter()
         self._images = _PostImages()
         self._waiters: set[asyncio.Future[None]] = set()
-        self._forward = hub._append_committed_event_locked
-        hub._append_committed_event_locked = self._receive
+        self._forward = patches.route_hub_events(hub, self._receive)
 
     # Writing.
 

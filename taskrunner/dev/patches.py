@@ -16,6 +16,8 @@ What is patched (the behaviour is written in the module named):
   ``runtime_state._evaluate_expression_with_missing`` (how ``$set``/``$addFields`` compute a
   field): a ``$cond`` or ``$switch`` whose branch is missing sets nothing, as MongoDB's
   (``taskrunner.dev.computed``). Process-wide, once.
+* The server's change hub, ``_append_committed_event_locked``: every event mongoeco
+  publishes goes through the bridge's oplog first (``taskrunner.dev.oplog``).
 * The server's engine, ``_ensure_unique_indexes``: MongoDB's 16 MiB document limit, and
   inserts that do not scan the collection (``taskrunner.dev.engine``).
 * The server's proxy, ``_executor``: the bridge (``taskrunner.dev.server``), answering what
@@ -79,6 +81,13 @@ def patch_query_language() -> None:
 def patch_engine(engine: Any) -> None:
     """The size limit and the insert fast path on the server's own engine."""
     engine._ensure_unique_indexes = checked_store(engine._ensure_unique_indexes)
+
+
+def route_hub_events(hub: Any, receive: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``receive`` in place of the hub's append funnel; returns the funnel, to forward to."""
+    forward: Callable[[Any], None] = hub._append_committed_event_locked
+    hub._append_committed_event_locked = receive
+    return forward
 
 
 def patch_proxy(proxy: Any, bridge: Callable[[Any], Any]) -> None:

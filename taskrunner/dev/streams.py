@@ -25,7 +25,7 @@ MongoDB serves them from a replica set's.
   stream with mongoeco's own matcher; other pipelines run through mongoeco's aggregation.
 
 It reads mongoeco internals (the pipeline helpers, the request context of the namespace
-commands it records); ``tests/test_embedded.py`` fails loudly when a mongoeco upgrade moves
+commands it records); ``tests/contract/test_embedded.py`` fails loudly when a mongoeco upgrade moves
 any of them.
 """
 

@@ -1,6 +1,6 @@
 """The store seam: what the publish API and the worker ask of a database.
 
-Two implementations pass one contract suite (tests/test_store_contract.py):
+Two implementations pass one contract suite (tests/contract/test_store_contract.py):
 ``MongoStore`` (PyMongo async) and ``MemoryStore`` (in-process twin for users'
 tests). Every write that concerns a run carries its ``run_id`` (the fencing
 token) and raises ``ClaimLost`` when that run no longer owns a RUNNING entry.

@@ -6,7 +6,7 @@ passes a date, the same one it gives the Python twin). Each write recomputes the
 fields in the same atomic update (``summarize``).
 
 The twin of ``taskrunner.store.rules``: each rule has one name in both modules (the naming
-scheme is in that module's docstring), and ``tests/test_twins.py`` runs each pair on
+scheme is in that module's docstring), and ``tests/contract/test_twins.py`` runs each pair on
 generated documents and compares (docs/design.md, "One set of rules, twice").
 ``normalize`` is written here in two parts, ``normalize`` and its ``mark``.
 

@@ -14,7 +14,7 @@ run_id, now)`` changes the stored document (likewise ``summarize``, ``fresh_clai
 ``fresh_claim``, ``reapable``, ``renewable`` / ``ping``, ``running_entry`` / ``succeed`` /
 ``fail`` / ``snooze`` / ``release``, ``cancelable`` / ``cancel``, ``updatable`` /
 ``pending_update`` (both given ``pending_changes``), ``sweepable``, ``unsettled``, ``hears``, ``normalize``, ``retryable`` /
-``retry``, ``purgeable``, ``in_bucket_range``). ``tests/test_twins.py`` runs each pair on
+``retry``, ``purgeable``, ``in_bucket_range``). ``tests/contract/test_twins.py`` runs each pair on
 generated documents and compares (docs/design.md, "One set of rules, twice").
 """
 
