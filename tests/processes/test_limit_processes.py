@@ -184,8 +184,8 @@ async def _started(runner: TaskRunner, name: str, count: int) -> bool:
 async def test_a_backlog_starts_at_the_full_rate_across_workers_and_after_a_live_change(
     mongo_uri: str, collection_name: str, tmp_path: Path, runner: TaskRunner
 ) -> None:
-    """metered at 10/s on 4 worker processes: a backlog of 50 starts at least 9 per second
-    from its first second until the operator lowers the rate to 2/s, then at least 1.8 per
+    """metered at 10/s on 4 worker processes: a backlog of 50 starts at least 8 per second
+    (an idle lane costs a third: 7.5/s) from its first second until the operator lowers the rate to 2/s, then at least 1.8 per
     second from a second after the change until its last start; no 1 s window ever holds
     more than the rate in force (a lane idles neither while its own worker's tasks are done
     and others' wait, nor while the gate is dealt again after the change)."""
@@ -201,7 +201,7 @@ async def test_a_backlog_starts_at_the_full_rate_across_workers_and_after_a_live
     change, applied = changed.updated_at, changed.updated_at + timedelta(seconds=1)
     before, after = [s for s in starts if s < change], [s for s in starts if s >= applied]
     assert _most_in_window(before, 1.0) <= 10 and _most_in_window(after, 1.0) <= 2
-    assert _achieved(before, 10) >= 9.0
+    assert _achieved(before, 10) >= 8.0  # bench/ratelimit.py measures the rate itself: 9.4/s quiet
     assert len(after) >= 8 and _achieved(after, 2) >= 1.8
 
 
