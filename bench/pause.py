@@ -34,7 +34,7 @@ async def one_round(runner: TaskRunner, n: int) -> float:
     stop = asyncio.Event()
     feeding = asyncio.create_task(feed(runner, f"r{n}-", stop))
     await asyncio.sleep(1.0)
-    paused = await runner.pause("noop")
+    [paused] = await runner.pause("noop")
     await asyncio.sleep(2.0)
     stop.set()
     await feeding

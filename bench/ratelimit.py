@@ -96,7 +96,7 @@ async def run_once(
 
                 await wait_until(a_third, 900, "a third of the tasks", interval=0.05)
                 await midway(runner)
-                _, stored = await runner.limits(name)
+                stored = (await runner.limits(name)).stored
                 changed = stored.updated_at.timestamp() if stored and stored.updated_at else None
 
             async def done() -> bool:

@@ -292,12 +292,12 @@ async def test_a_worker_runs_claims_whose_reply_was_lost_without_spending_budget
         ran[ctx.key] += 1
 
     faults = LostReplies(store, monkeypatch, writes=2, reads=1)
-    worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
 
     async def all_done() -> bool:
         return await store.count(state=TaskState.SUCCESS) == 6
 
-    with capture_logs() as logs:
+    with capture_logs() as logs:  # the worker's loggers are bound with the configuration of their making
+        worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
         await run_worker_until(worker, all_done)
     assert faults.lost == 2 and ran == {f"t{i}": 1 for i in range(6)}
     assert "claims recovered after a lost reply" in [e["event"] for e in logs]
@@ -354,12 +354,12 @@ async def test_a_worker_says_which_claims_it_read_back_after_a_lost_reply(
         ran[ctx.key] += 1
 
     faults = LostReplies(store, monkeypatch, writes=2)
-    worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
 
     async def all_done() -> bool:
         return await store.count(state=TaskState.SUCCESS) == 6
 
-    with capture_logs() as logs:
+    with capture_logs() as logs:  # the worker's loggers are bound with the configuration of their making
+        worker = Worker(runner, worker_id="w1", concurrency=4, batch=batch, poll_interval=0.2)
         await run_worker_until(worker, all_done)
     recovered = [e for e in logs if e["event"] == "claims recovered after a lost reply"]
     assert faults.lost == 2 and ran == {f"t{i}": 1 for i in range(6)}

@@ -88,7 +88,7 @@ async def test_code_like_task_names_only_ever_reach_the_handler_lookup(
         assert task.state is TaskState.FAIL and error is not None
         assert (error.type, error.message) == (
             "UnknownTaskName",
-            f"no handler registered for task name {name!r}",
+            f"name: no handler registered for task name {name!r} (known: quick)",
         )
     assert calls == []
     assert set(sys.modules) - modules == set()
