@@ -3,8 +3,9 @@
 On MongoDB, ``{$set: {a: <expression>}}`` (an update pipeline, ``$addFields``) sets
 nothing when the expression's value is missing, and a ``$cond`` or ``$switch`` is worth
 the branch it takes: ``{$set: {a: {$cond: [<false>, 1, "$absent"]}}}`` leaves ``a``
-absent. mongoeco keeps a bare ``"$absent"`` missing but turns a branch's missing value into
-null, so ``taskrunner.dev.patches`` routes the field's top-level ``$cond``/``$switch``
+absent, as does an ``$ifNull`` whose replacement is missing. mongoeco keeps a bare
+``"$absent"`` missing but turns a branch's missing value into null, so
+``taskrunner.dev.patches`` routes the field's top-level ``$cond``/``$switch``/``$ifNull``
 through :func:`keeping_missing`, which evaluates the branch taken as a field of its own.
 """
 
@@ -30,11 +31,14 @@ def keeping_missing(evaluate: FieldEvaluator) -> FieldEvaluator:
     def field_value(document: Any, expression: object, variables: Any = None, *, dialect: Any = None) -> Any:
         dialect = dialect or MONGODB_DIALECT_70
 
+        def value_of(operand: object) -> Any:
+            return evaluate(document, operand, variables, dialect=dialect)
+
         def truthy(condition: object) -> bool:
-            value = evaluate(document, condition, variables, dialect=dialect)
+            value = value_of(condition)
             return bool(dialect.expression_truthy(None if value is _MISSING else value))
 
-        branch = _branch(expression, truthy)
+        branch = _branch(expression, truthy, value_of)
         if branch is _NO_BRANCH:
             return evaluate(document, expression, variables, dialect=dialect)
         return field_value(document, branch, variables, dialect=dialect)
@@ -42,12 +46,21 @@ def keeping_missing(evaluate: FieldEvaluator) -> FieldEvaluator:
     return field_value
 
 
-def _branch(expression: object, truthy: Callable[[object], bool]) -> object:
-    """The branch a well-formed ``$cond`` or ``$switch`` takes; ``_NO_BRANCH`` for anything
-    else (including a malformed one, which mongoeco then rejects with its own error)."""
+def _branch(
+    expression: object, truthy: Callable[[object], bool], value_of: Callable[[object], Any]
+) -> object:
+    """The branch a well-formed ``$cond``, ``$switch`` or ``$ifNull`` takes (an ``$ifNull``
+    input that has a value, as a literal); ``_NO_BRANCH`` for anything else (including a
+    malformed one, which mongoeco then rejects with its own error)."""
     if not isinstance(expression, dict) or len(expression) != 1:
         return _NO_BRANCH
     [(operator, spec)] = expression.items()
+    if operator == "$ifNull" and isinstance(spec, list) and len(spec) >= 2:
+        for operand in spec[:-1]:
+            value = value_of(operand)
+            if value is not None and value is not _MISSING:
+                return {"$literal": value}
+        return spec[-1]
     if operator == "$cond":
         if isinstance(spec, list) and len(spec) == 3:
             return spec[1] if truthy(spec[0]) else spec[2]

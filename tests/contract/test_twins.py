@@ -918,21 +918,10 @@ def test_bucket_range(server: Scratch, values: list[Any]) -> None:
     )
 
 
-def test_a_branch_naming_a_missing_field_sets_nothing(server: Scratch) -> None:
-    """On MongoDB a ``$cond`` or ``$ifNull`` that ends on a missing field leaves the field out
-    (as ``$$REMOVE`` does); the expressions never depend on it (``expressions.kept``)."""
-    if server.embedded:
-        pytest.xfail("the embedded server (mongoeco 4.11) sets null where the branch finds no field")
-    server.load(batch({}))
-    ends_missing = {"a": {"$cond": [False, 1, "$nope"]}, "b": {"$ifNull": ["$nope", "$nope2"]}}
-    server.collection.update_one({f.ID: 0}, [{"$set": ends_missing}])
-    assert server.documents()[0] == {f.ID: 0}
-
-
 def test_a_computed_field_whose_branch_is_missing_is_not_set(server: Scratch) -> None:
-    """The server semantics the twins rely on: ``$set`` of a ``$cond`` or ``$switch`` whose
-    branch taken is a missing field sets nothing (rules.py then leaves the field absent too),
-    and a branch that has a value sets it."""
+    """The server semantics the twins rely on: ``$set`` of a ``$cond``, ``$switch`` or
+    ``$ifNull`` whose branch taken is a missing field sets nothing (rules.py then leaves the
+    field absent too, as ``$$REMOVE`` would), and a branch that has a value sets it."""
     server.load(batch({"present": 5}))
     pipeline = [
         {
@@ -943,8 +932,10 @@ def test_a_computed_field_whose_branch_is_missing_is_not_set(server: Scratch) ->
                 "default": {"$switch": {"branches": [{"case": False, "then": 1}], "default": "$absent"}},
                 "kept": {"$cond": [True, "$present", "$absent"]},
                 "nested": {"$cond": [True, {"$cond": [True, "$absent", 1]}, 2]},
+                "if_null": {"$ifNull": ["$absent", "$absent_too"]},
+                "if_null_set": {"$ifNull": ["$absent", "$present"]},
             }
         }
     ]
     _, found = server.updated({}, pipeline)
-    assert {k: v for k, v in found[0].items() if k != f.ID} == {"present": 5, "kept": 5}
+    assert {k: v for k, v in found[0].items() if k != f.ID} == {"present": 5, "kept": 5, "if_null_set": 5}
