@@ -25,8 +25,9 @@ _NO_BRANCH = object()
 
 
 def keeping_missing(evaluate: FieldEvaluator) -> FieldEvaluator:
-    """``evaluate`` (a field's value, or mongoeco's missing marker) for a ``$cond`` or
-    ``$switch``: the value of the branch taken, evaluated the same way, so it may be missing."""
+    """``evaluate`` (a field's value, or mongoeco's missing marker) for a ``$cond``,
+    ``$switch`` or ``$ifNull``: the value of the branch taken, evaluated the same way, so it
+    may be missing."""
 
     def field_value(document: Any, expression: object, variables: Any = None, *, dialect: Any = None) -> Any:
         dialect = dialect or MONGODB_DIALECT_70

@@ -879,9 +879,10 @@ class _MemoryChangeStream:
 
     async def next(self, wait: float) -> ChangeEvent | None:
         self.check_history()
+        seen = self._store._seq  # read first: any write after it wakes the wait below
         fresh = self._fresh()
         if fresh is None and not self._over():
-            await self._store._changed.wait(wait, until=lambda: self._fresh() is not None or self._over())
+            await self._store._changed.wait(wait, until=lambda: self._store._seq != seen or self._over())
             self.check_history()
             fresh = self._fresh()
         if fresh is None:
