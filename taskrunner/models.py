@@ -32,8 +32,10 @@ from taskrunner.store import sizes
 
 
 class TaskState(enum.StrEnum):
-    """Summary state of a task, derived from its worker entries."""
+    """Summary state of a task, derived from its worker entries. WAITING: it runs after
+    other tasks (``after``), not all of which succeeded yet; then it is PENDING."""
 
+    WAITING = "WAITING"
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCESS = "SUCCESS"
@@ -199,6 +201,28 @@ class WorkerEntry(BaseModel):
     """Workers whose expired leases this claim dropped (a takeover)."""
 
 
+UpstreamPolicy = Literal["cancel", "run"]
+
+
+class Compensation(BaseModel):
+    """The task that undoes a flow's step (``flow.add(..., compensate=(name, params))``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+def _check_after(key: str, after: list[str]) -> list[str]:
+    """``after`` without repeats; a key of its own or an empty one is an error."""
+    for upstream in after:
+        if not upstream:
+            raise ValueError("a key in after must be a non-empty string")
+        if upstream == key:
+            raise ValueError(f"a task cannot run after itself ({key!r} names its own key)")
+    return list(dict.fromkeys(after))
+
+
 class NewTask(BaseModel):
     """A task as a service publishes it, validated before anything is written."""
 
@@ -212,6 +236,26 @@ class NewTask(BaseModel):
     delay: Seconds | None = Field(None, ge=0, le=366 * DAY)
     """Start no earlier than this many seconds after publishing, by the server's clock."""
     options: TaskOptions = Field(default_factory=lambda: TaskOptions())
+    after: list[str] = Field(default_factory=list, max_length=100_000)
+    """Keys of the tasks this one runs after: it is WAITING until each is SUCCESS."""
+    on_upstream_failure: UpstreamPolicy = "cancel"
+    """``"cancel"``: an upstream ending FAIL or CANCELED cancels this task; ``"run"``: it
+    runs once every upstream finished, whatever their states (``ctx.upstream`` has them)."""
+    flow: str | None = Field(None, min_length=1, max_length=MAX_KEY_LENGTH)
+    compensate: Compensation | None = None
+    compensates: str | None = None
+    dependents: bool = False
+    """Set by publishing when a later task of the same call runs after this one."""
+
+    @model_validator(mode="after")
+    def _valid_after(self) -> Self:
+        try:
+            checked = _check_after(self.key, self.after)
+        except ValueError as exc:
+            raise InvalidTask("after", str(exc)) from None
+        if checked != self.after:
+            object.__setattr__(self, "after", checked)
+        return self
 
     @model_validator(mode="after")
     def _one_start_time(self) -> Self:
@@ -238,7 +282,7 @@ class NewTask(BaseModel):
     def budget(self) -> sizes.Budget:
         """How this task's document is shared out between its params and its runs."""
         options = self.options.model_dump()
-        params = sizes.params_bytes(self.params)
+        params = sizes.params_bytes(self.params) + _links_bytes(self.after, self.compensate)
         return sizes.budget(
             key=self.key, name=self.name, priority=self.priority, options=options, params=params
         )
@@ -274,6 +318,17 @@ class NewTask(BaseModel):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise invalid_task(exc) from None
+
+
+def _links_bytes(after: list[str], compensate: Compensation | None) -> int:
+    """What a task's workflow fields add to its document: ``after`` and ``waiting_on``
+    (the same keys at most), and its compensation."""
+    if not after and compensate is None:
+        return 0
+    links: dict[str, Any] = {f.AFTER: after, f.WAITING_ON: after}
+    if compensate is not None:
+        links[f.COMPENSATE] = compensate.model_dump()
+    return sizes.added_bytes(links)
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -468,6 +523,21 @@ class StoredTask(BaseModel):
     unreadable: Unreadable | None = None
     """Only on a task read from a document that does not follow the schema (``Task.read``):
     what a scan reports of it; the fields that do not read hold placeholders."""
+    after: list[str] = Field(default_factory=list)
+    """Keys of the tasks this one runs after (docs/workflows.md)."""
+    waiting_on: list[str] = Field(default_factory=list)
+    """Of ``after``, those it still waits for (WAITING), or that it did not see succeed."""
+    on_upstream_failure: UpstreamPolicy = "cancel"
+    canceled_by: list[str] = Field(default_factory=list)
+    """Upstreams whose FAIL or CANCELED canceled this task (retrying one re-arms it)."""
+    dependents: bool = False
+    """Other tasks run after this one (or its flow undoes steps when one fails)."""
+    flow: str | None = None
+    """The flow this task is a step of (``runner.flow``)."""
+    compensate: Compensation | None = None
+    """The task that undoes this step if its flow fails."""
+    compensates: str | None = None
+    """On a compensation: the key of the step it undoes."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 
@@ -508,7 +578,7 @@ class StoredTask(BaseModel):
         """How this task's document is shared out between its params and its runs: what
         a worker lets a run record (docs/publishing.md, "How big params and results may be")."""
         try:
-            params = sizes.params_bytes(self.params)
+            params = sizes.params_bytes(self.params) + _links_bytes(self.after, self.compensate)
         except (bson.errors.InvalidDocument, OverflowError, TypeError):
             params = 0  # not from MongoDB (a test store's hand-made document): nothing to measure
         options = self.options.model_dump()

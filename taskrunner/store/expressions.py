@@ -24,7 +24,21 @@ from typing import Any
 from taskrunner.models import EntryState, TaskState
 from taskrunner.store import fields as f
 from taskrunner.store import rules
-from taskrunner.store.rules import ACTIVE, FINISHED, LEASE_EXPIRED, RETRYABLE, STAMPED, STATES, marked_error
+from taskrunner.store.rules import (
+    ACTIVE,
+    CANCEL_REASONS,
+    FAILED,
+    FINISHED,
+    LEASE_EXPIRED,
+    RETRYABLE,
+    RUN_ANYWAY,
+    STAMPED,
+    STATES,
+    UNHEARD,
+    WAITING,
+    Heard,
+    marked_error,
+)
 
 Expr = Any
 NOW = "$$NOW"
@@ -129,8 +143,8 @@ def summarize(now: Expr = NOW) -> list[Expr]:
         "$switch": {
             "branches": [
                 {
-                    "case": {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]},
-                    "then": TaskState.CANCELED.value,
+                    "case": {"$in": [f.ref(f.STATE), [TaskState.CANCELED.value, WAITING]]},
+                    "then": f.ref(f.STATE),
                 },
                 {"case": {"$eq": [f.ref(f.FATAL), True]}, "then": TaskState.FAIL.value},
                 {
@@ -154,7 +168,7 @@ def summarize(now: Expr = NOW) -> list[Expr]:
     claimable_at = {
         "$switch": {
             "branches": [
-                {"case": {"$in": [f.ref(f.STATE), list(FINISHED)]}, "then": "$$REMOVE"},
+                {"case": {"$in": [f.ref(f.STATE), [*FINISHED, WAITING]]}, "then": "$$REMOVE"},
                 {"case": {"$lt": [{"$add": [succ, {"$size": live}]}, CONCURRENCY]}, "then": RUN_AT},
             ],
             # Slots are full: a slot frees when the earliest live lease expires.
@@ -167,6 +181,17 @@ def summarize(now: Expr = NOW) -> list[Expr]:
         {"$set": {f.CLAIMABLE_AT: claimable_at, f.FINISHED_AT: finished_at(now)}},
         {"$unset": ["_tr_succ", "_tr_live"]},
     ]
+
+
+def bumped(path: str) -> Expr:
+    """A counter at ``path`` plus one (``rules.tally`` + 1)."""
+    return {"$add": [tally(path), 1]}
+
+
+def announce() -> Expr:
+    """``rules.announce``: a task others wait on that ended counts one more ``notify``."""
+    owed = {"$and": [{"$eq": [f.ref(f.DEPENDENTS), True]}, {"$in": [f.ref(f.STATE), list(FINISHED)]}]}
+    return {"$set": {f.NOTIFY: {"$cond": [owed, bumped(f.NOTIFY), f.ref(f.NOTIFY)]}}}
 
 
 def claimable(worker_id: str, now: Expr = NOW) -> dict[str, Any]:
@@ -302,6 +327,7 @@ def claim(worker_id: str, run_id: str | Expr, now: Expr = NOW) -> list[Expr]:
         {"$set": {f.WORKERS: {"$cond": [reap, reaped, claimed]}}},
         {"$unset": ["_tr_exp", "_tr_nlive", "_tr_reap"]},
         *summarize(now),
+        announce(),
     ]
 
 
@@ -455,7 +481,7 @@ def ping(run_id: str, progress: Any = None, now: Expr = NOW) -> list[Expr]:
 def succeed(run_id: str, result: Any, now: Expr = NOW, progress: Any = None) -> list[Expr]:
     """``rules.succeed``: the result, and the run's last ``progress`` unless None."""
     changes = {f.STATE: EntryState.SUCCESS.value, f.RESULT: {"$literal": result}, f.FINISHED_AT: now}
-    return [update_entry(run_id, _with_progress(changes, progress)), *summarize(now)]
+    return [update_entry(run_id, _with_progress(changes, progress)), *summarize(now), announce()]
 
 
 def _with_progress(changes: dict[str, Expr], progress: Any) -> dict[str, Expr]:
@@ -486,12 +512,13 @@ def quick_succeed(
     (``$currentDate``), or ``now`` when given."""
     run = "run"
     # Not fatal and no finished_at (both written by hand on a RUNNING task): the summary
-    # would end it FAIL, or keep that finished_at.
+    # would end it FAIL, or keep that finished_at. Nothing waits on it: its end is announced.
     one_slot = {
         f.STATE: TaskState.RUNNING.value,
         f.opt(f.CONCURRENCY): 1,
         f.FATAL: {"$ne": True},
         f.FINISHED_AT: {"$exists": False},
+        f.DEPENDENTS: {"$ne": True},
     }
     query = {**running_entry(key, run_id), **one_slot}
     times = (f"{f.WORKERS}.$[{run}].{f.FINISHED_AT}", f.FINISHED_AT, f.UPDATED_AT)
@@ -525,12 +552,12 @@ def fail(
     failed = {f.STATE: EntryState.FAIL.value, f.ERROR: {"$literal": error}, f.FINISHED_AT: now}
     changes = _with_progress(failed, progress)
     if final:
-        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now)]
+        return [update_entry(run_id, changes), {"$set": {f.FATAL: True}}, *summarize(now), announce()]
     later = (
         after_now(f.opt(f.RETRY_BACKOFF), now, now) if retry_in is None else {"$add": [now, retry_in * 1000]}
     )
     counters = {f.FAILURES: {"$add": [tally(f.FAILURES), 1]}, f.RUN_AT: {"$max": [f.ref(f.RUN_AT), later]}}
-    return [update_entry(run_id, changes), {"$set": counters}, *summarize(now)]
+    return [update_entry(run_id, changes), {"$set": counters}, *summarize(now), announce()]
 
 
 def snooze(run_id: str, seconds: float, now: Expr = NOW) -> list[Expr]:
@@ -555,7 +582,12 @@ def cancelable(key: str) -> dict[str, Any]:
 
 def cancel(now: Expr = NOW) -> list[Expr]:
     """``rules.cancel`` under ``cancelable``."""
-    return [{"$set": {f.STATE: TaskState.CANCELED.value}}, *summarize(now)]
+    return [
+        {"$set": {f.STATE: TaskState.CANCELED.value}},
+        {"$unset": [f.CANCELED_BY]},
+        *summarize(now),
+        announce(),
+    ]
 
 
 def start_time(run_at: Any, delay: float | None, now: Expr = NOW) -> Expr:
@@ -580,8 +612,18 @@ def publish(
     ``run_at`` is a datetime or ``$$NOW`` (server time).
     """
     times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
-    # A document replaced keeps its _id (an upsert's seed has none yet: it gets new's).
-    fresh = {"$mergeObjects": [NEW, times, {f.ID: {"$ifNull": [f.ref(f.ID), new[f.ID]]}}]}
+    if new[f.STATE] == WAITING:
+        del times[f.CLAIMABLE_AT]
+    # A document replaced keeps its _id (an upsert's seed has none yet: it gets new's), and
+    # what ``rules.carried`` says.
+    carried = {
+        "$cond": [
+            {"$eq": [f.ref(f.DEPENDENTS), True]},
+            {f.DEPENDENTS: True, f.NOTIFY: bumped(f.NOTIFY)},
+            {},
+        ]
+    }
+    fresh = {"$mergeObjects": [NEW, times, {f.ID: {"$ifNull": [f.ref(f.ID), new[f.ID]]}}, carried]}
     seed = {"$lte": [{"$size": {"$objectToArray": "$$ROOT"}}, 2]}  # rules.is_seed
     branches = [{"case": seed, "then": fresh}]
     if republish_finished:
@@ -603,7 +645,7 @@ NEW = "$$new"
 def updatable() -> Expr:
     """``rules.updatable``: PENDING, and no worker running it or done with it."""
     started = count({"$or": [IS_RUNNING, IS_SUCCESS]})
-    return {"$and": [{"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}, {"$eq": [started, 0]}]}
+    return {"$and": [{"$in": [f.ref(f.STATE), [TaskState.PENDING.value, WAITING]]}, {"$eq": [started, 0]}]}
 
 
 def pending_update(update: rules.PendingChanges, run_at: Any, now: Expr) -> Expr:
@@ -617,15 +659,18 @@ def pending_update(update: rules.PendingChanges, run_at: Any, now: Expr) -> Expr
         is_object = {"$eq": [{"$type": f.ref(f.OPTIONS)}, "object"]}
         merged = {"$mergeObjects": [f.ref(f.OPTIONS), {"$literal": update.options}]}
         changes[f.OPTIONS] = {"$cond": [is_object, merged, {"$literal": update.whole_options}]}
+    claimable: Expr = {}
     if update.run_time:
-        changes |= {f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
+        changes[f.RUN_AT] = run_at
+        # A WAITING task gets its claimable_at when released.
+        claimable = {"$cond": [{"$eq": [f.ref(f.STATE), WAITING]}, {}, {f.CLAIMABLE_AT: run_at}]}
     changes[f.UPDATED_AT] = now
     budget = update.options.get(f.MAX_FAILURES)
     if budget is not None:
         spent = {"$gte": [tally(f.FAILURES), budget]}
-        changes[f.STATE] = {"$cond": [spent, TaskState.FAIL.value, TaskState.PENDING.value]}
+        changes[f.STATE] = {"$cond": [spent, TaskState.FAIL.value, f.ref(f.STATE)]}
     changes["_tr_updated"] = True
-    return {"$mergeObjects": ["$$ROOT", changes]}
+    return {"$mergeObjects": ["$$ROOT", changes, claimable]}
 
 
 def pending_update_summary(now: Expr) -> list[Expr]:
@@ -636,8 +681,14 @@ def pending_update_summary(now: Expr) -> list[Expr]:
     changes = {
         f.CLAIMABLE_AT: {"$cond": [ended, "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
         f.FINISHED_AT: {"$cond": [updated, finished_at(now), f.ref(f.FINISHED_AT)]},
+        f.NOTIFY: {"$cond": [ended, _announced(), f.ref(f.NOTIFY)]},
     }
     return [{"$set": changes}, {"$unset": ["_tr_updated"]}]
+
+
+def _announced() -> Expr:
+    """``notify`` as ``announce`` leaves it on a task that just ended."""
+    return {"$cond": [{"$eq": [f.ref(f.DEPENDENTS), True]}, bumped(f.NOTIFY), f.ref(f.NOTIFY)]}
 
 
 def retryable(key: str, now: Expr = NOW) -> dict[str, Any]:
@@ -672,18 +723,33 @@ def trim_failed_runs() -> Expr:
 def retry(now: Expr = NOW) -> list[Expr]:
     """``rules.retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
-    recheck = {"$or": [{"$eq": [{"$type": f.ref(f.ERROR)}, "object"]}, *unreadable]}
-    fresh = {f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now, "_tr_recheck": recheck}
+    reason = {"$ifNull": [f.ref(f"{f.ERROR}.{f.ERROR_TYPE}"), None]}
+    own_error = {
+        "$and": [
+            {"$eq": [{"$type": f.ref(f.ERROR)}, "object"]},
+            _not({"$in": [reason, list(CANCEL_REASONS)]}),
+        ]
+    }
+    recheck = {"$or": [own_error, *unreadable]}
+    waiting = {"$and": [{"$isArray": f.ref(f.WAITING_ON)}, {"$gt": [{"$size": f.ref(f.WAITING_ON)}, 0]}]}
+    fresh = {
+        f.STATE: {"$cond": [waiting, WAITING, TaskState.PENDING.value]},
+        f.FAILURES: 0,
+        f.RUN_AT: now,
+        f.LINK: {"$cond": [waiting, bumped(f.LINK), f.ref(f.LINK)]},
+        f.NOTIFY: {"$cond": [{"$eq": [f.ref(f.DEPENDENTS), True]}, bumped(f.NOTIFY), f.ref(f.NOTIFY)]},
+        "_tr_recheck": recheck,
+    }
     # A document to check again keeps PENDING and loses claimable_at: the next sweep normalizes it.
     again = {
-        f.STATE: {"$cond": ["$_tr_recheck", TaskState.PENDING.value, f.ref(f.STATE)]},
+        f.STATE: {"$cond": ["$_tr_recheck", fresh[f.STATE], f.ref(f.STATE)]},
         f.CLAIMABLE_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.CLAIMABLE_AT)]},
         f.FINISHED_AT: {"$cond": ["$_tr_recheck", "$$REMOVE", f.ref(f.FINISHED_AT)]},
     }
     return [
         trim_failed_runs(),
         {"$set": fresh},
-        {"$unset": [f.FATAL, f.ERROR]},
+        {"$unset": [f.FATAL, f.ERROR, f.CANCELED_BY]},
         *summarize(now),
         {"$set": again},
         {"$unset": ["_tr_recheck"]},
@@ -745,7 +811,11 @@ def normalize(fill: dict[str, Any], now: Expr = NOW) -> list[Expr]:
 def mark(problem: str, now: Expr = NOW) -> list[Expr]:
     """The mark of ``rules.normalize``: FAIL, ``fatal``, the document's own error."""
     mark = {f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: {"$literal": marked_error(problem)}}
-    return [{"$set": {**mark, f.FINISHED_AT: now, f.UPDATED_AT: now}}, {"$unset": [f.CLAIMABLE_AT]}]
+    return [
+        {"$set": {**mark, f.FINISHED_AT: now, f.UPDATED_AT: now}},
+        {"$unset": [f.CLAIMABLE_AT]},
+        announce(),
+    ]
 
 
 def unchanged(doc: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
@@ -868,3 +938,123 @@ def throttle_gate_update(gate: str, seconds: float, now: Expr = NOW) -> list[Exp
 def window_filter(start: datetime, end: datetime, now: Expr = NOW) -> dict[str, Any]:
     """Matches only while the clock (``now``) is in ``[start, end]`` (a gate's permit)."""
     return {"$expr": {"$and": [{"$gte": [now, start]}, {"$lte": [now, end]}]}}
+
+
+# -- workflows (``rules.settle``) ------------------------------------------------------------------
+def settleable(keys: Sequence[str]) -> dict[str, Any]:
+    """``rules.settleable``: runs after one of ``keys`` (the ``after`` index), and is WAITING
+    or was canceled by an upstream."""
+    canceled = {f.STATE: TaskState.CANCELED.value, f.CANCELED_BY: {"$exists": True}}
+    return {f.AFTER: {"$in": list(keys)}, "$or": [{f.STATE: WAITING}, canceled]}
+
+
+def _array(path: str) -> Expr:
+    return {"$cond": [{"$isArray": f.ref(path)}, f.ref(path), []]}
+
+
+def settle(heard: Heard, now: Expr = NOW) -> list[Expr]:
+    """``rules.settle`` for upstream states just read. Set differences keep the first
+    array's order (MongoDB's ``$setDifference`` does), so a fan-in's long ``waiting_on``
+    costs one pass, not one per upstream heard of."""
+    run_anyway = {"$eq": [f.ref(f.ON_UPSTREAM_FAILURE), RUN_ANYWAY]}
+    succeeded = {"$literal": heard.where((TaskState.SUCCESS.value,))}
+    met = {"$cond": [run_anyway, {"$literal": heard.where(FINISHED)}, succeeded]}
+    failed = {"$literal": heard.where(FAILED)}
+    newly = {"$filter": {"input": f.ref(f.WAITING_ON), "as": "k", "cond": {"$in": ["$$k", failed]}}}
+    added = {"$cond": [run_anyway, [], {"$setDifference": [newly, "$_tr_kept"]}]}
+    any_in = {"$gt": [{"$size": "$_tr_by"}, 0]}
+    state = {
+        "$switch": {
+            "branches": [
+                {"case": any_in, "then": TaskState.CANCELED.value},
+                {"case": {"$gt": [{"$size": f.ref(f.WAITING_ON)}, 0]}, "then": WAITING},
+            ],
+            "default": TaskState.PENDING.value,
+        }
+    }
+    return [
+        {
+            "$set": {
+                "_tr_was": f.ref(f.STATE),
+                f.WAITING_ON: {"$setDifference": [_array(f.WAITING_ON), met]},
+                "_tr_kept": {
+                    "$setDifference": [_array(f.CANCELED_BY), {"$literal": heard.where(FAILED, inside=False)}]
+                },
+            }
+        },
+        {"$set": {"_tr_by": {"$concatArrays": ["$_tr_kept", added]}}},
+        {
+            "$set": {
+                f.STATE: state,
+                f.UPDATED_AT: now,
+                f.CANCELED_BY: {"$cond": [any_in, "$_tr_by", "$$REMOVE"]},
+            }
+        },
+        _settled_times(heard, now),
+        {"$unset": ["_tr_was", "_tr_kept", "_tr_by"]},
+    ]
+
+
+def _settled_times(heard: Heard, now: Expr) -> Expr:
+    """``rules._settled_times`` where ``settle`` changed the state (``$_tr_was``), and the
+    ``notify`` owed for a change into or out of CANCELED."""
+    moved = {"$ne": [f.ref(f.STATE), "$_tr_was"]}
+    is_pending = {"$eq": [f.ref(f.STATE), TaskState.PENDING.value]}
+    is_canceled = {"$eq": [f.ref(f.STATE), TaskState.CANCELED.value]}
+    canceled_either = {"$or": [is_canceled, {"$eq": ["$_tr_was", TaskState.CANCELED.value]}]}
+    owed = {"$and": [moved, canceled_either, {"$eq": [f.ref(f.DEPENDENTS), True]}]}
+
+    def when_moved(then: Expr, field: str) -> Expr:
+        return {"$cond": [moved, then, f.ref(field)]}
+
+    return {
+        "$set": {
+            f.CLAIMABLE_AT: when_moved({"$cond": [is_pending, RUN_AT, "$$REMOVE"]}, f.CLAIMABLE_AT),
+            f.FINISHED_AT: when_moved({"$cond": [is_canceled, now, "$$REMOVE"]}, f.FINISHED_AT),
+            f.ERROR: when_moved({"$cond": [is_canceled, upstream_error(heard), "$$REMOVE"]}, f.ERROR),
+            f.NOTIFY: {"$cond": [owed, bumped(f.NOTIFY), f.ref(f.NOTIFY)]},
+        }
+    }
+
+
+def upstream_error(heard: Heard) -> Expr:
+    """``rules.upstream_error`` of the first key in ``canceled_by``."""
+    first = {"$arrayElemAt": [f.ref(f.CANCELED_BY), 0]}
+    named = {"$eq": [{"$type": "$$first"}, "string"]}
+    keys, states = {"$literal": heard.keys}, {"$literal": list(heard.states.values())}
+    at = {"$indexOfArray": [keys, "$$first"]}
+    state = {"$cond": [{"$and": [named, {"$gte": [at, 0]}]}, {"$arrayElemAt": [states, at]}, UNHEARD]}
+    name = {"$cond": [named, "$$first", "?"]}
+    message = {"$concat": ["upstream '", name, "' ended ", state, "; retrying it re-arms this task"]}
+    error = {f.ERROR_TYPE: f.UPSTREAM_FAILED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
+    return {"$let": {"vars": {"first": first}, "in": error}}
+
+
+def mark_upstream() -> list[Expr]:
+    """``rules.mark_upstream``."""
+    return [{"$set": {f.DEPENDENTS: True, f.NOTIFY: bumped(f.NOTIFY)}}]
+
+
+def stoppable(flow: str) -> dict[str, Any]:
+    """``rules.stoppable``: the flow's unstarted steps, through the ``flow`` index."""
+    return {
+        f.FLOW: flow,
+        f.STATE: {"$in": [WAITING, TaskState.PENDING.value]},
+        f.WORKERS: {"$size": 0},
+        f.COMPENSATES: {"$exists": False},
+    }
+
+
+def stop(error: dict[str, Any], now: Expr = NOW) -> list[Expr]:
+    """``rules.stop``."""
+    canceled = {f.STATE: TaskState.CANCELED.value, f.FINISHED_AT: now, f.UPDATED_AT: now}
+    return [
+        {"$set": {**canceled, f.ERROR: {"$literal": error}}},
+        {"$unset": [f.CLAIMABLE_AT, f.CANCELED_BY]},
+        announce(),
+    ]
+
+
+def owes_follow_up() -> dict[str, Any]:
+    """Tasks owing a follow-up (``notify`` or ``link``), each through its small index."""
+    return {"$or": [{f.NOTIFY: {"$exists": True}}, {f.LINK: {"$exists": True}}]}

@@ -10,7 +10,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
       workers: [{worker_id, run_id, state, claimed_at, ping_at, expires_at,
                  attempt, progress, result, error: {type, message, traceback},
                  finished_at, took_over}],
-      state,           # summary: PENDING | RUNNING | SUCCESS | FAIL | CANCELED
+      state,           # summary: WAITING | PENDING | RUNNING | SUCCESS | FAIL | CANCELED
       failures,        # task-wide failure count (the max_failures budget)
       fatal,           # true after a failure that is not retried (Fail, invalid params): FAIL at once
       snoozes,         # runs that ended by Retry / ctx.snooze / RateLimited (no failure counted)
@@ -19,6 +19,10 @@ A task document (collection ``taskrunner.tasks`` by default)::
       finished_at,     # when the task reached SUCCESS, FAIL or CANCELED (TTL retention)
       publish_id,      # id of the publish call that wrote this version
       bucket,          # 0..BUCKETS-1, a hash of the key: whose stream hears the insert
+      # only on tasks of workflows (docs/workflows.md):
+      after, waiting_on, on_upstream_failure, canceled_by,   # a dependent's upstreams
+      dependents, notify, link,                             # follow-ups owed (see below)
+      flow, compensate: {name, params}, compensates,        # a flow's steps
     }
 
 Durations inside ``options`` are seconds (numbers); see docs/schema.md.
@@ -58,6 +62,38 @@ BUCKETS: Final = 1024
 """Tasks spread over this many buckets; each worker's change stream hears the inserts of
 the buckets it owns (rendezvous hashing over the live workers), so an insert reaches one
 worker, not all. A missing or out-of-range ``bucket`` is heard by every worker."""
+
+# -- workflows: dependencies between tasks, flows, compensation (docs/workflows.md) ------------
+AFTER: Final = "after"
+"""Keys of the tasks this one runs after (as published; never changed)."""
+WAITING_ON: Final = "waiting_on"
+"""Of ``after``, the keys not yet heard of as SUCCESS (with ``on_upstream_failure: "run"``:
+as finished). A WAITING task whose list empties becomes PENDING."""
+ON_UPSTREAM_FAILURE: Final = "on_upstream_failure"
+"""``"cancel"`` (the default): an upstream ending FAIL or CANCELED cancels this task;
+``"run"``: it runs once every upstream finished, whatever their states."""
+CANCELED_BY: Final = "canceled_by"
+"""Upstream keys whose FAIL or CANCELED canceled this task; retrying one re-arms it."""
+DEPENDENTS: Final = "dependents"
+"""True on a task others wait on (or whose flow has compensations): its end is announced."""
+NOTIFY: Final = "notify"
+"""A counter, present while this task's dependents have yet to hear of its state; whoever
+settles them removes it if it still holds what they read (a later change counts again)."""
+LINK: Final = "link"
+"""A counter, present while this task's upstreams have yet to learn of it (a publish or a
+retry in progress, or one that died); removed the same way as ``notify``."""
+FLOW: Final = "flow"
+"""The id of the flow this task is a step (or a compensation) of."""
+COMPENSATE: Final = "compensate"
+"""``{name, params}``: the task that undoes this step if its flow fails."""
+COMPENSATES: Final = "compensates"
+"""On a compensation task: the key of the step it undoes."""
+UPSTREAM_FAILED: Final = "UpstreamFailed"
+"""The ``error.type`` of a task canceled because an upstream ended FAIL or CANCELED."""
+FLOW_FAILED: Final = "FlowFailed"
+"""The ``error.type`` of a flow's step canceled because another step of it failed (a saga stops)."""
+COMPENSATION_NAME: Final = "name"
+COMPENSATION_PARAMS: Final = "params"
 
 # -- options sub-document -----------------------------------------------------
 CONCURRENCY: Final = "concurrency"
@@ -220,6 +256,12 @@ INDEXES: Final[dict[str, tuple[list[tuple[str, int]], dict[str, Any]]]] = {
     "created": ([(CREATED_AT, -1), (KEY, -1)], {}),
     "updated": ([(UPDATED_AT, -1), (KEY, -1)], {}),
     "failed": ([(FINISHED_AT, -1), (KEY, -1)], {"partialFilterExpression": {STATE: "FAIL"}}),
+    # Workflows: a task's dependents (multikey; only tasks with an ``after``), a flow's steps
+    # by state, and the follow-ups owed (small: present only until they are done).
+    "after": ([(AFTER, 1)], {"partialFilterExpression": {AFTER: {"$exists": True}}}),
+    "flow": ([(FLOW, 1), (STATE, 1)], {"partialFilterExpression": {FLOW: {"$exists": True}}}),
+    "notify": ([(NOTIFY, 1)], {"partialFilterExpression": {NOTIFY: {"$exists": True}}}),
+    "link": ([(LINK, 1)], {"partialFilterExpression": {LINK: {"$exists": True}}}),
     # Partial: only unfinished tasks pinned to worker ids (PENDING and RUNNING sort between
     # these bounds; a partial filter takes no $in before MongoDB 7.0), for `stats`' tasks
     # pinned to no live worker. One field: a compound key could meet parallel arrays.

@@ -291,7 +291,9 @@ class MemoryStore:
         doc = {f.ID: old[f.ID] if old else ObjectId(), **rules.new_document(task, publish_id)}
         run_at = rules.start_time(task, now)
         times = {f.CREATED_AT: now, f.UPDATED_AT: now, f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at}
-        fresh: Doc = _clone({**doc, **times})
+        if doc[f.STATE] == rules.WAITING:
+            del times[f.CLAIMABLE_AT]
+        fresh: Doc = _clone({**doc, **times, **rules.carried(old)})
         return fresh
 
     async def get(self, key: str) -> Task:

@@ -37,6 +37,7 @@ from taskrunner.store.base import RunStatus
 
 Doc = dict[str, Any]
 FINISHED = (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
+WAITING = TaskState.WAITING.value
 ACTIVE = (TaskState.PENDING.value, TaskState.RUNNING.value)
 DATES = datetime | DatetimeMS
 
@@ -130,6 +131,9 @@ def summarize(doc: Doc, now: datetime) -> None:
             doc[f.FINISHED_AT] = now
         return
     doc.pop(f.FINISHED_AT, None)
+    if doc[f.STATE] == WAITING:
+        doc.pop(f.CLAIMABLE_AT, None)  # claimable once released (``settle``)
+        return
     live = [w for w in _entries(doc) if is_live(w, now)]
     concurrency = _num(option(doc, f.CONCURRENCY))
     run_at: Any = doc.get(f.RUN_AT)
@@ -146,8 +150,8 @@ def _summary_state(doc: Doc) -> str:
     concurrency = _num(option(doc, f.CONCURRENCY))
     max_failures = _num(option(doc, f.MAX_FAILURES))
     failures = tally(doc.get(f.FAILURES))
-    if doc.get(f.STATE) == TaskState.CANCELED.value:
-        return TaskState.CANCELED.value
+    if doc.get(f.STATE) in (TaskState.CANCELED.value, WAITING):
+        return str(doc[f.STATE])
     if doc.get(f.FATAL) is True:
         return TaskState.FAIL.value
     if concurrency is None or successes(doc) >= concurrency:
@@ -230,6 +234,7 @@ def claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
         for dead in expired:
             dead.update({f.STATE: EntryState.FAIL.value, f.ERROR: dict(LEASE_EXPIRED), f.FINISHED_AT: now})
         summarize(doc, now)
+        announce(doc)
         return
     attempt = tally(doc.get(f.ATTEMPTS)) + 1
     expires_at = after(now, option(doc, f.PING_TIMEOUT))
@@ -238,6 +243,7 @@ def claim(doc: Doc, worker_id: str, run_id: str, now: datetime) -> None:
     # Whatever else the list holds stays (an entry that is not an object is kept as written).
     doc[f.WORKERS] = [w for w in doc[f.WORKERS] if not (isinstance(w, dict) and is_expired(w, now))] + [entry]
     summarize(doc, now)
+    announce(doc)  # a claim on a ``fatal`` task (written by hand) ends it
 
 
 def new_entry(worker_id: Any, run_id: Any, now: Any, expires_at: Any, attempt: Any, took_over: Any) -> Doc:
@@ -326,6 +332,7 @@ def succeed(doc: Doc, entry: Doc, result: Any, now: datetime, progress: Any = No
     if progress is not None:
         entry[f.PROGRESS] = progress
     summarize(doc, now)
+    announce(doc)
 
 
 def fail(
@@ -345,13 +352,13 @@ def fail(
         entry[f.PROGRESS] = progress
     if final:
         doc[f.FATAL] = True
-        summarize(doc, now)
-        return
-    doc[f.FAILURES] = tally(doc.get(f.FAILURES)) + 1
-    retry_at = after(now, option(doc, f.RETRY_BACKOFF) if retry_in is None else retry_in, now)
-    run_at = doc.get(f.RUN_AT)
-    doc[f.RUN_AT] = max(run_at, retry_at) if isinstance(run_at, datetime) else retry_at
+    else:
+        doc[f.FAILURES] = tally(doc.get(f.FAILURES)) + 1
+        retry_at = after(now, option(doc, f.RETRY_BACKOFF) if retry_in is None else retry_in, now)
+        run_at = doc.get(f.RUN_AT)
+        doc[f.RUN_AT] = max(run_at, retry_at) if isinstance(run_at, datetime) else retry_at
     summarize(doc, now)
+    announce(doc)
 
 
 def _without(doc: Doc, entry: Doc) -> list[Any]:
@@ -383,13 +390,22 @@ def cancel(doc: Doc, now: datetime) -> None:
     if not cancelable(doc):
         return
     doc[f.STATE] = TaskState.CANCELED.value
+    doc.pop(f.CANCELED_BY, None)  # an operator's cancel: no upstream's retry re-arms it
     summarize(doc, now)
+    announce(doc)
+
+
+def announce(doc: Doc) -> None:
+    """A task others wait on (``dependents``) that ended owes them its state: count one more
+    ``notify`` (``taskrunner.workflows`` settles them, then removes it)."""
+    if doc.get(f.DEPENDENTS) is True and doc.get(f.STATE) in FINISHED:
+        doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1
 
 
 def new_document(task: NewTask, publish_id: str) -> Doc:
     """The stored form of a new task. The time fields are placeholders each store fills
     with server time; they are listed here so the mongo shell shows fields in this order."""
-    return {
+    doc: Doc = {
         f.KEY: task.key,
         f.NAME: task.name,
         f.PARAMS: task.params,
@@ -406,6 +422,41 @@ def new_document(task: NewTask, publish_id: str) -> Doc:
         f.PUBLISH_ID: publish_id,
         f.BUCKET: bucket_of(task.key),
     }
+    workflow = workflow_fields(task)
+    if workflow.get(f.STATE) == WAITING:
+        del doc[f.CLAIMABLE_AT]
+    return doc | workflow
+
+
+def carried(old: Doc | None) -> Doc:
+    """What a task republished over ``old`` keeps of it: that others wait on it, and one
+    more ``notify`` (they hear it runs again)."""
+    if old is None or old.get(f.DEPENDENTS) is not True:
+        return {}
+    return {f.DEPENDENTS: True, f.NOTIFY: tally(old.get(f.NOTIFY)) + 1}
+
+
+def workflow_fields(task: NewTask) -> Doc:
+    """A new task's workflow fields (none for a task outside workflows). One that runs
+    after others starts WAITING, without ``claimable_at``, owing its upstreams a ``link``."""
+    fields: Doc = {}
+    if task.after:
+        fields = {
+            f.STATE: WAITING,
+            f.AFTER: task.after,
+            f.WAITING_ON: task.after,
+            f.ON_UPSTREAM_FAILURE: task.on_upstream_failure,
+            f.LINK: 1,
+        }
+    if task.dependents:
+        fields[f.DEPENDENTS] = True
+    if task.flow is not None:
+        fields[f.FLOW] = task.flow
+    if task.compensate is not None:
+        fields[f.COMPENSATE] = task.compensate.model_dump()
+    if task.compensates is not None:
+        fields[f.COMPENSATES] = task.compensates
+    return fields
 
 
 def bucket_of(key: str) -> int:
@@ -454,9 +505,10 @@ def hears(event: Doc, names: Collection[str], owned: Mapping[str, Collection[int
 
 
 def updatable(doc: Doc) -> bool:
-    """``update_pending`` applies only to a task no worker is running or has succeeded."""
+    """``update_pending`` applies only to a task no worker is running or has succeeded
+    (PENDING, or WAITING for its upstreams)."""
     started = any(is_running(w) or w.get(f.STATE) == EntryState.SUCCESS.value for w in _entries(doc))
-    return doc.get(f.STATE) == TaskState.PENDING.value and not started
+    return doc.get(f.STATE) in (TaskState.PENDING.value, WAITING) and not started
 
 
 @dataclass(frozen=True)
@@ -501,7 +553,9 @@ def pending_update(doc: Doc, task: NewTask, now: datetime) -> None:
         doc[f.OPTIONS] = {**stored, **changes.options} if isinstance(stored, dict) else changes.whole_options
     if changes.run_time:
         run_at = start_time(task, now)
-        doc.update({f.RUN_AT: run_at, f.CLAIMABLE_AT: run_at})
+        doc[f.RUN_AT] = run_at
+        if doc.get(f.STATE) != WAITING:  # a WAITING task gets its claimable_at when released
+            doc[f.CLAIMABLE_AT] = run_at
     doc[f.UPDATED_AT] = now
     budget = changes.options.get(f.MAX_FAILURES)
     if budget is None or tally(doc.get(f.FAILURES)) < budget:
@@ -511,6 +565,7 @@ def pending_update(doc: Doc, task: NewTask, now: datetime) -> None:
     doc.pop(f.CLAIMABLE_AT, None)
     if not isinstance(doc.get(f.FINISHED_AT), datetime):
         doc[f.FINISHED_AT] = now
+    announce(doc)
 
 
 def is_seed(doc: Doc) -> bool:
@@ -722,6 +777,7 @@ def normalize(doc: Doc, fill: Doc, problem: MalformedTask | None, now: datetime)
     doc.update({f.STATE: TaskState.FAIL.value, f.FATAL: True, f.ERROR: marked_error(problem.problem)})
     doc[f.FINISHED_AT] = now
     doc.pop(f.CLAIMABLE_AT, None)
+    announce(doc)
 
 
 def still_running(doc: Doc, now: datetime) -> list[str]:
@@ -782,10 +838,17 @@ def retry(doc: Doc, now: datetime) -> None:
     ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
     trim_failed_runs(doc)
     numbers = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
-    recheck = isinstance(doc.get(f.ERROR), dict) or None in numbers
+    recheck = _own_error(doc.get(f.ERROR)) or None in numbers
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})
-    doc.pop(f.FATAL, None)
-    doc.pop(f.ERROR, None)
+    for field in (f.FATAL, f.ERROR, f.CANCELED_BY):
+        doc.pop(field, None)
+    waiting = doc.get(f.WAITING_ON)
+    if isinstance(waiting, list) and waiting:
+        # Back to its upstreams: linking them again settles it with their states now.
+        doc[f.STATE] = WAITING
+        doc[f.LINK] = tally(doc.get(f.LINK)) + 1
+    if doc.get(f.DEPENDENTS) is True:
+        doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1  # its dependents canceled for it re-arm
     if not recheck:
         summarize(doc, now)
         return
@@ -794,7 +857,153 @@ def retry(doc: Doc, now: datetime) -> None:
     doc.pop(f.FINISHED_AT, None)
 
 
+CANCEL_REASONS = (f.UPSTREAM_FAILED, f.FLOW_FAILED)
+"""The ``error.type`` of a task a workflow canceled: not a mark, retried as any other."""
+
+
+def _own_error(error: Any) -> bool:
+    """A document-level ``error`` that makes ``retry`` look at the document again: a mark
+    (or one written by hand), not a workflow's cancel reason."""
+    return isinstance(error, dict) and error.get(f.ERROR_TYPE) not in CANCEL_REASONS
+
+
 def purgeable(doc: Doc, states: Sequence[str], cutoff: datetime) -> bool:
     """Finished in one of ``states`` before ``cutoff`` (a ``finished_at`` that is not a date never is)."""
     finished = doc.get(f.FINISHED_AT)
     return is_one_of(doc.get(f.STATE), states) and isinstance(finished, datetime) and finished < cutoff
+
+
+# -- workflows: releasing and canceling the tasks that run after others (docs/workflows.md) ----
+RUN_ANYWAY = "run"
+UNHEARD = "FAIL or CANCELED"
+"""What a cancel reason says of an upstream whose state the settling read did not include."""
+FAILED = (TaskState.FAIL.value, TaskState.CANCELED.value)
+
+
+@dataclass(frozen=True)
+class Heard:
+    """Upstreams' states as one read found them, sorted the ways ``settle`` uses them."""
+
+    states: Mapping[str, str]
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.states)
+
+    def where(self, states: Collection[str], *, inside: bool = True) -> list[str]:
+        return [k for k, s in self.states.items() if (s in states) == inside]
+
+
+def settleable(doc: Doc, keys: Collection[str]) -> bool:
+    """What ``settle`` writes on: a task that runs after one of ``keys`` and is WAITING, or
+    was canceled by an upstream (``canceled_by`` present)."""
+    state = doc.get(f.STATE)
+    after_one = is_one_of(doc.get(f.AFTER), keys)
+    return after_one and (
+        is_one_of(state, (WAITING,))
+        or (is_one_of(state, (TaskState.CANCELED.value,)) and f.CANCELED_BY in doc)
+    )
+
+
+def _bson_key(value: Any) -> Any:
+    """A value as a set of BSON values tells it apart (numbers by value, bools apart)."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int | float):
+        return ("number", float(value))
+    if isinstance(value, str):
+        return ("string", value)
+    return ("other", repr(value))
+
+
+def set_difference(left: Sequence[Any], right: Collection[Any]) -> list[Any]:
+    """``$setDifference``: ``left``'s values not in ``right``, each once, in ``left``'s order
+    (as MongoDB returns them)."""
+    seen = {_bson_key(v) for v in right}
+    kept: list[Any] = []
+    for value in left:
+        key = _bson_key(value)
+        if key not in seen:
+            seen.add(key)
+            kept.append(value)
+    return kept
+
+
+def _array(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def settle(doc: Doc, heard: Heard, now: datetime) -> None:
+    """Bring a ``settleable`` task up to date with upstream states just read: an upstream
+    SUCCESS leaves ``waiting_on`` (any end does, for ``on_upstream_failure: "run"``); one
+    FAIL or CANCELED it still waits on cancels it (``canceled_by``); one active again (a
+    retry) no longer does. Then it is CANCELED while ``canceled_by`` holds a key, WAITING
+    while ``waiting_on`` does, else PENDING: claimable from its ``run_at``. A change into or
+    out of CANCELED is announced to its own dependents (``notify``)."""
+    run_anyway = doc.get(f.ON_UPSTREAM_FAILURE) == RUN_ANYWAY
+    met = heard.where(FINISHED) if run_anyway else heard.where((TaskState.SUCCESS.value,))
+    waiting = set_difference(_array(doc.get(f.WAITING_ON)), met)
+    kept = set_difference(_array(doc.get(f.CANCELED_BY)), heard.where(FAILED, inside=False))
+    failed = {_bson_key(k) for k in heard.where(FAILED)}
+    added = [] if run_anyway else set_difference([k for k in waiting if _bson_key(k) in failed], kept)
+    canceled_by = kept + added
+    was = doc.get(f.STATE)
+    state = TaskState.CANCELED.value if canceled_by else WAITING if waiting else TaskState.PENDING.value
+    doc.update({f.WAITING_ON: waiting, f.STATE: state, f.UPDATED_AT: now})
+    if canceled_by:
+        doc[f.CANCELED_BY] = canceled_by
+    else:
+        doc.pop(f.CANCELED_BY, None)
+    if state == was:
+        return
+    _settled_times(doc, state, heard, now)
+    if doc.get(f.DEPENDENTS) is True and TaskState.CANCELED.value in (was, state):
+        doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1
+
+
+def _settled_times(doc: Doc, state: str, heard: Heard, now: datetime) -> None:
+    """What a task whose state ``settle`` changed gets: when it may be claimed, when it
+    finished, and why it was canceled."""
+    for field in (f.CLAIMABLE_AT, f.FINISHED_AT, f.ERROR):
+        doc.pop(field, None)
+    if state == TaskState.PENDING.value:
+        doc[f.CLAIMABLE_AT] = doc.get(f.RUN_AT)
+    elif state == TaskState.CANCELED.value:
+        doc[f.FINISHED_AT] = now
+        doc[f.ERROR] = upstream_error(doc[f.CANCELED_BY][0], heard.states)
+
+
+def upstream_error(upstream: Any, states: Mapping[str, str]) -> Doc:
+    """The ``error`` of a task canceled because ``upstream`` did not succeed."""
+    name = upstream if isinstance(upstream, str) else "?"
+    state = states.get(name, UNHEARD) if isinstance(upstream, str) else UNHEARD
+    message = f"upstream '{name}' ended {state}; retrying it re-arms this task"
+    return {f.ERROR_TYPE: f.UPSTREAM_FAILED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
+
+
+def mark_upstream(doc: Doc) -> None:
+    """An upstream a dependent links to: it has ``dependents`` now, and owes them one more
+    ``notify`` (the dependent hears its state at once, whatever it is)."""
+    doc[f.DEPENDENTS] = True
+    doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1
+
+
+def stoppable(doc: Doc, flow: str) -> bool:
+    """A step of ``flow`` that no worker started (WAITING, or PENDING without entries), not
+    a compensation: what a saga stops when one of its steps fails."""
+    unstarted = is_one_of(doc.get(f.STATE), (WAITING, TaskState.PENDING.value)) and doc.get(f.WORKERS) == []
+    return is_one_of(doc.get(f.FLOW), (flow,)) and unstarted and f.COMPENSATES not in doc
+
+
+def flow_error(flow: str, step: str) -> Doc:
+    """The ``error`` of a step canceled because another step of its flow failed."""
+    message = f"step {step!r} of flow {flow!r} failed: the flow stops and undoes its finished steps"
+    return {f.ERROR_TYPE: f.FLOW_FAILED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
+
+
+def stop(doc: Doc, error: Doc, now: datetime) -> None:
+    """Cancel a ``stoppable`` step with ``error`` (``flow_error``), announced to its dependents."""
+    doc.update({f.STATE: TaskState.CANCELED.value, f.FINISHED_AT: now, f.UPDATED_AT: now, f.ERROR: error})
+    doc.pop(f.CLAIMABLE_AT, None)
+    doc.pop(f.CANCELED_BY, None)
+    announce(doc)

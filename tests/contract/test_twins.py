@@ -59,6 +59,7 @@ STEPS_MS = (-3_600_000, -1000, -1, 0, 1, 1000, 3_600_000)
 WORKER_IDS = ("w1", "w2", "w3")
 RUN_IDS = ("r1", "r2", "r3")
 NAMES = ("job", "other")
+UPSTREAMS = ("u1", "u2", "u3")
 
 # -- generated documents -----------------------------------------------------------------------
 dates = st.sampled_from(STEPS_MS).map(lambda ms: NOW + ms * MS)
@@ -129,6 +130,10 @@ TOP_FIELDS = (
     f.SNOOZES,
     f.BUCKET,
     f.ERROR,
+    f.DEPENDENTS,
+    f.NOTIFY,
+    f.WAITING_ON,
+    f.CANCELED_BY,
 )
 OPTION_FIELDS = tuple(
     f.opt(o) for o in (f.CONCURRENCY, f.MAX_FAILURES, f.PING_TIMEOUT, f.RETRY_BACKOFF, f.WORKER_IDS)
@@ -191,6 +196,14 @@ well_formed = st.fixed_dictionaries(
         f.FINISHED_AT: dates,
         f.FATAL: st.just(True),
         f.SNOOZES: st.integers(0, 2),
+        # workflows: a dependent's upstreams, and the follow-ups a task owes
+        f.AFTER: st.lists(st.sampled_from(UPSTREAMS), min_size=1, max_size=3, unique=True),
+        f.WAITING_ON: st.lists(st.sampled_from(UPSTREAMS), max_size=3, unique=True),
+        f.CANCELED_BY: st.lists(st.sampled_from(UPSTREAMS), max_size=2, unique=True),
+        f.ON_UPSTREAM_FAILURE: st.sampled_from(["cancel", "run"]),
+        f.DEPENDENTS: st.just(True),
+        f.NOTIFY: st.integers(1, 3),
+        f.LINK: st.integers(1, 2),
     },
 )
 """Documents of the schema, in every state (entries and summary need not agree)."""
@@ -939,3 +952,85 @@ def test_a_computed_field_whose_branch_is_missing_is_not_set(server: Scratch) ->
     ]
     _, found = server.updated({}, pipeline)
     assert {k: v for k, v in found[0].items() if k != f.ID} == {"present": 5, "kept": 5, "if_null_set": 5}
+
+
+heard_states = st.dictionaries(
+    st.sampled_from(UPSTREAMS), st.sampled_from([s.value for s in TaskState]), min_size=1, max_size=3
+)
+"""Upstream states as a read found them."""
+
+
+@twins
+@example(  # a success releases; a failure cancels (and announces); "run" runs after a failure;
+    # a retried upstream re-arms what it canceled
+    docs=batch(
+        task({f.STATE: "WAITING", f.AFTER: ["u1"], f.WAITING_ON: ["u1"], f.CLAIMABLE_AT: MISSING}),
+        task({f.STATE: "WAITING", f.AFTER: ["u2"], f.WAITING_ON: ["u2"], f.DEPENDENTS: True}),
+        task({f.STATE: "WAITING", f.AFTER: ["u2"], f.WAITING_ON: ["u2"], f.ON_UPSTREAM_FAILURE: "run"}),
+        task({**ENDED, f.STATE: "CANCELED", f.AFTER: ["u3", "u1"], f.WAITING_ON: ["u3"], f.CANCELED_BY: ["u3"]}),
+        task({f.STATE: "WAITING", f.AFTER: [1, "u2"], f.WAITING_ON: [1, "u2", "u2"]}),
+    ),
+    states={"u1": "SUCCESS", "u2": "FAIL", "u3": "RUNNING"},
+)
+@given(docs=batches(), states=heard_states)
+def test_settle(server: Scratch, docs: list[Doc], states: dict[str, str]) -> None:
+    """``settleable`` matches what ``rules.settleable`` takes, and ``settle`` writes what
+    ``rules.settle`` writes, for any upstream states heard."""
+    server.load(docs)
+    heard = rules.Heard(states)
+    matched, found = server.updated(x.settleable(heard.keys), x.settle(heard, NOW))
+
+    def settle(doc: Doc) -> bool:
+        if not rules.settleable(doc, heard.keys):
+            return False
+        rules.settle(doc, heard, NOW)
+        return True
+
+    chosen, expected = python_twin(docs, settle)
+    assert_same_choice(chosen, matched, docs, "settle")
+    assert_same(expected, found, docs)
+
+
+@twins
+@example(docs=batch(task({f.NOTIFY: "x"}), task({f.DEPENDENTS: False})))  # a broken counter restarts at 1
+@given(docs=batches())
+def test_mark_upstream(server: Scratch, docs: list[Doc]) -> None:
+    """``mark_upstream`` writes what ``rules.mark_upstream`` writes."""
+    server.load(docs)
+    _, found = server.updated({f.KEY: "k"}, x.mark_upstream())
+
+    def mark(doc: Doc) -> bool:
+        if rules.is_one_of(doc.get(f.KEY), ("k",)):
+            rules.mark_upstream(doc)
+        return True
+
+    _, expected = python_twin(docs, mark)
+    assert_same(expected, found, docs)
+
+
+@twins
+@example(
+    docs=batch(
+        task({f.FLOW: "f", f.STATE: "WAITING", f.CLAIMABLE_AT: MISSING, f.DEPENDENTS: True}),
+        task({f.FLOW: "f"}, entry()),  # started: runs on
+        task({f.FLOW: "f", f.COMPENSATES: "s"}),  # a compensation: runs on
+        task({f.FLOW: ["f"], f.CANCELED_BY: ["u1"], f.STATE: "WAITING"}),
+    )
+)
+@given(docs=batches(st.one_of(documents, documents.map(lambda d: {**d, f.FLOW: "f"}))))
+def test_stop(server: Scratch, docs: list[Doc]) -> None:
+    """``stoppable`` matches what ``rules.stoppable`` takes, and ``stop`` writes what
+    ``rules.stop`` writes."""
+    server.load(docs)
+    error = rules.flow_error("f", "s")
+    matched, found = server.updated(x.stoppable("f"), x.stop(error, NOW))
+
+    def stop(doc: Doc) -> bool:
+        if not rules.stoppable(doc, "f"):
+            return False
+        rules.stop(doc, error, NOW)
+        return True
+
+    chosen, expected = python_twin(docs, stop)
+    assert_same_choice(chosen, matched, docs, "stop")
+    assert_same(expected, found, docs)
