@@ -23,6 +23,7 @@ from taskrunner.engine import fleet
 from taskrunner.engine.follow import StreamEnds
 from taskrunner.errors import (
     ChangeStreamEnded,
+    FlowNotFound,
     InvalidSchedule,
     InvalidTask,
     ScheduleNotFound,
@@ -51,6 +52,9 @@ from taskrunner.schedules.model import DEFAULT_GRACE, Schedule, ScheduleState, S
 from taskrunner.store import fields as f
 from taskrunner.store import preflight
 from taskrunner.store.preflight import ServerCheck
+from taskrunner.workflows import linking, saga, settling
+from taskrunner.workflows.builder import Flow
+from taskrunner.workflows.model import FlowView
 
 if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
@@ -61,6 +65,10 @@ Duration = float | int | timedelta
 DEFAULT_URI = f.DEFAULT_URI
 OPTION_NAMES = frozenset(TaskOptions.model_fields)
 TASK_FIELDS = frozenset({"name", "params", "key", "priority", "run_at", "delay"})
+WORKFLOW_FIELDS = frozenset(
+    {f.AFTER, f.ON_UPSTREAM_FAILURE, f.FLOW, f.COMPENSATE, f.COMPENSATES, f.DEPENDENTS}
+)
+"""Publish keywords of workflows (docs/workflows.md); ``runner.flow`` sets the last four."""
 ALLOW_UNKNOWN = "; pass allow_unknown=True (CLI: --allow-unknown) to publish it for workers of another app"
 INIT_POLLING = "workers will poll for tasks instead (every --poll-interval, 5 s by default)"
 
@@ -230,12 +238,19 @@ class TaskClient:
         priority: int | None = None,
         run_at: datetime | None = None,
         delay: Duration | None = None,
+        after: Iterable[str] | None = None,
+        on_upstream_failure: str | None = None,
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
         **options: Any,
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
+
+        ``after``: keys of tasks this one runs after; it is WAITING until each is SUCCESS,
+        and canceled when one ends FAIL or CANCELED, unless ``on_upstream_failure="run"``
+        (then it runs once each has finished). Each key must be a stored task
+        (``UnknownUpstream`` otherwise); see docs/workflows.md.
 
         ``update_pending`` rewrites, on a task no worker has started, only what this call
         names: ``params``, ``priority``, the run time (``run_at`` or ``delay``) and each
@@ -248,13 +263,19 @@ class TaskClient:
         read of the worker registry).
         """
         spec = dict(
-            name=name, params=params, key=key, priority=priority, run_at=run_at, delay=delay, **options
+            name=name,
+            params=params,
+            key=key,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            after=after,
+            on_upstream_failure=on_upstream_failure,
+            **options,
         )
         new = self.new_task(spec, allow_unknown=allow_unknown)
         await self._check_live(worker_ids=new.options.worker_ids)
-        [task] = await self.store.publish(
-            [new], update_pending=update_pending, republish_finished=republish_finished
-        )
+        [task] = await self._publish([new], update_pending, republish_finished)
         return task.bound(self)
 
     async def publish_many(
@@ -265,19 +286,68 @@ class TaskClient:
         republish_finished: bool = False,
         allow_unknown: bool = False,
     ) -> list[Task]:
-        """Publish many tasks in one write; each item takes ``publish``'s keywords."""
+        """Publish many tasks in one write; each item takes ``publish``'s keywords. An
+        item's ``after`` may name keys of items before it."""
         build = partial(self.new_task, allow_unknown=allow_unknown)
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
         await self._check_live(worker_ids=dict.fromkeys(i for task in new for i in task.options.worker_ids))
-        published = await self.store.publish(
-            new, update_pending=update_pending, republish_finished=republish_finished
-        )
+        published = await self._publish(new, update_pending, republish_finished)
         return [task.bound(self) for task in published]
+
+    async def _publish(
+        self, new: list[NewTask], update_pending: bool, republish_finished: bool
+    ) -> list[Task]:
+        """Store ``new``; tasks with an ``after`` are checked first (their upstreams exist),
+        and their upstreams learn of those created (``link``) before this returns."""
+        if not any(task.after for task in new):
+            return await self.store.publish(
+                new, update_pending=update_pending, republish_finished=republish_finished
+            )
+        linking.check_republish(new, republish_finished)
+        outside = linking.outside(new)
+        stored = await self.store.states(outside) if outside else {}
+        new = linking.linked(new, stored)
+        published = await self.store.publish(new, update_pending=update_pending, republish_finished=False)
+        await self._follow_up([t.key for t in published if t.created and t.after])
+        return published
+
+    async def _follow_up(self, keys: Sequence[str]) -> None:
+        """Do at once the follow-ups ``keys`` owe (workers' sweeps would, within a second)."""
+        if keys:
+            owed = await self.store.follow_ups(keys=keys)
+            await settling.follow_up(self.store, owed, self._check_flow)
+
+    async def _check_flow(self, flow: str) -> None:
+        """A step of ``flow`` ended: stop it and publish its compensations if one failed."""
+        await saga.check(self.store, flow, partial(self.publish_many, allow_unknown=True))
+
+    def flow(self, flow_id: str) -> Flow:
+        """A flow to build step by step and publish in one call (docs/workflows.md):
+        ``a = flow.add("extract", p)``, ``bs = flow.group(("transform", q1), ("transform", q2),
+        after=a)``, ``flow.add("load", r, after=bs)``, then ``await flow.publish()``."""
+        return Flow(self, flow_id)
+
+    async def get_flow(self, flow_id: str) -> FlowView:
+        """The flow's steps, compensations and state as stored now; ``FlowNotFound`` if none."""
+        tasks = await self.store.flow_tasks(flow_id)
+        if not tasks:
+            raise FlowNotFound(flow_id)
+        return FlowView.of(flow_id, [t.bound(self) for t in tasks])
+
+    async def dependents(self, key: str, *, limit: int = 1000) -> list[Task]:
+        """Tasks that run after ``key``, oldest first."""
+        return [t.bound(self) for t in await self.store.dependents(key, limit=limit)]
+
+    async def upstream(self, key: str) -> dict[str, Task]:
+        """The tasks ``key`` runs after, by key (those still stored), as ``ctx.upstream`` has them."""
+        task = await self.store.get(key)
+        found = {t.key: t.bound(self) for t in await self.store.get_many(task.after)} if task.after else {}
+        return {k: found[k] for k in task.after if k in found}
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""
-        _check_option_names(set(spec) - TASK_FIELDS)
+        _check_option_names(set(spec) - TASK_FIELDS - WORKFLOW_FIELDS)
         name = spec.get("name")
         if not isinstance(name, str):
             raise InvalidTask("name", "must be a string")
@@ -332,11 +402,20 @@ class TaskClient:
         """Cancel a task: a pending one never starts; running handlers are cancelled at
         their next ping (``CancelledError`` in the handler). Raises ``InvalidState`` for a
         task that already succeeded or failed."""
-        return (await self.store.cancel(key)).bound(self)
+        task = await self.store.cancel(key)
+        if task.dependents:
+            await self._follow_up([key])  # what runs after it is canceled too
+        return task.bound(self)
 
     async def retry(self, key: str) -> Task:
-        """Make a FAIL or CANCELED task claimable again with a fresh failure budget."""
-        return (await self.store.retry(key)).bound(self)
+        """Make a FAIL or CANCELED task claimable again with a fresh failure budget. Tasks
+        canceled because it failed wait for it again (re-armed); a task that runs after
+        others waits for them again (WAITING)."""
+        task = await self.store.retry(key)
+        if task.dependents or task.after:
+            await self._follow_up([key])
+            task = await self.store.get(key)
+        return task.bound(self)
 
     async def purge(self, states: Iterable[TaskState], older_than: float, *, dry_run: bool = False) -> int:
         """Delete finished tasks in ``states`` older than ``older_than`` seconds; returns how many
@@ -546,6 +625,7 @@ def _build(
     options = {**(registration.options if registration else {}), **given}
     values = {k: spec.get(k) for k in ("key", "priority", "run_at", "delay") if spec.get(k) is not None}
     values.setdefault("key", uuid.uuid4().hex)
+    values |= _workflow_values(spec)
     try:
         task = NewTask.model_validate({**values, "name": name, "params": params, "options": options})
     except ValidationError as exc:
@@ -557,6 +637,22 @@ def _build(
         *(["options"] if given else []),
     }
     return task.naming(named, TaskOptions.set_by(given))
+
+
+def _workflow_values(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A publish call's workflow keywords, as ``NewTask`` takes them."""
+    values = {k: spec[k] for k in WORKFLOW_FIELDS if spec.get(k) is not None}
+    after = values.get(f.AFTER)
+    if isinstance(after, str):
+        raise InvalidTask(
+            f.AFTER, f"must be a list of task keys, not the string {after!r}: after=[{after!r}]"
+        )
+    if after is not None and not isinstance(after, list):
+        try:
+            values[f.AFTER] = list(after)
+        except TypeError:
+            raise InvalidTask(f.AFTER, f"must be a list of task keys, not {after!r}") from None
+    return values
 
 
 def _at_index(index: int, build: Callable[[Mapping[str, Any]], NewTask], spec: Mapping[str, Any]) -> NewTask:

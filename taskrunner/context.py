@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from taskrunner.errors import Retry
@@ -11,6 +13,7 @@ from taskrunner.store.sizes import fit_progress
 
 if TYPE_CHECKING:
     from taskrunner.client import TaskClient
+    from taskrunner.models import Task
 
 
 @dataclass
@@ -33,6 +36,10 @@ class TaskContext:
     runner: TaskClient = field(kw_only=True, repr=False)
     last_progress: dict[str, Any] | None = field(default=None, kw_only=True)
     """The latest ``progress`` reported, sent or not: the outcome write carries it."""
+    upstream: Mapping[str, Task] = field(default_factory=lambda: MappingProxyType({}), kw_only=True)
+    """The tasks this one runs after (``after``), read-only, by key, as stored when this run
+    started: each one's ``state``, ``results`` and ``errors`` (a fan-in step reads its
+    inputs here). Empty for a task without ``after``."""
 
     def __post_init__(self) -> None:
         if self.logger is None:

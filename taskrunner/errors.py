@@ -92,6 +92,27 @@ class ScheduleNotFound(TaskRunnerError, LookupError):
         super().__init__(f"no schedule with id {schedule_id!r}")
 
 
+class UnknownUpstream(InvalidTask, LookupError):
+    """A key in ``after`` names no stored task and no task earlier in the same publish call
+    (``upstream`` names it, ``key`` the task that named it); nothing was published."""
+
+    def __init__(self, key: str, upstream: str) -> None:
+        self.key, self.upstream = key, upstream
+        message = (
+            f"task {key!r} runs after {upstream!r}, which is neither stored nor published earlier "
+            "in this call (publish upstreams first)"
+        )
+        super().__init__("after", message)
+
+
+class FlowNotFound(TaskRunnerError, LookupError):
+    """No task belongs to a flow of that id; ``flow`` names it."""
+
+    def __init__(self, flow: str) -> None:
+        self.flow = flow
+        super().__init__(f"no flow with id {flow!r}")
+
+
 class TaskNotFound(TaskRunnerError, LookupError):
     """No task has that key; ``key`` names it."""
 

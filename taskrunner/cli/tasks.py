@@ -87,6 +87,16 @@ def publish(
             "How long each handler call may run before it fails (the task option timeout; --timeout is the server's)."
         ),
     ] = None,
+    after: Annotated[
+        list[str] | None,
+        typer.Option(metavar="KEY", help="Run after this task succeeded (repeatable; WAITING until then)."),
+    ] = None,
+    run_on_upstream_failure: Annotated[
+        bool,
+        typer.Option(
+            help="With --after: run once every upstream finished, even if one failed (else canceled)."
+        ),
+    ] = False,
     update_pending: Annotated[
         bool, typer.Option(help="Update a task no worker has started: only the options given here.")
     ] = False,
@@ -117,7 +127,7 @@ def publish(
         "worker_ids": worker_id or None,
         "timeout": run_timeout,
     }
-    given = {k: v for k, v in options.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
 
     async def publish_one(runner: TaskRunner) -> Task:
         with warnings.catch_warnings():
@@ -130,6 +140,8 @@ def publish(
                 priority=priority,
                 delay=delay,
                 run_at=run_at,
+                after=after,
+                on_upstream_failure="run" if run_on_upstream_failure else None,
                 update_pending=update_pending,
                 republish_finished=republish_finished,
                 allow_unknown=allow_unknown,

@@ -15,9 +15,10 @@ import dataclasses
 import enum
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import bson
@@ -145,14 +146,16 @@ class Execution:
         throttle: Callable[[Task, float], Awaitable[None]] | None = None,
         holds_slot: Callable[[str], Awaitable[bool]] | None = None,
         runner: TaskClient | None = None,
+        ended: Callable[[str], None] | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name
         when its handler raises ``RateLimited``. ``holds_slot``: whether the run still
         holds its fleet-wide running slot, asked before its outcome is written.
         ``runner`` is the handler's ``ctx.runner`` (the worker's); a lone run gets one
-        on ``store`` with ``handlers``."""
-        self.throttle, self.holds_slot = throttle, holds_slot
+        on ``store`` with ``handlers``. ``ended(key)`` is told when an outcome that may
+        have ended a task others wait on was written (their follow-up is due)."""
+        self.throttle, self.holds_slot, self.ended = throttle, holds_slot, ended
         self.observer: WorkerObserver = observer or NullObserver()
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
@@ -187,7 +190,16 @@ class Execution:
             self.observer.finished(self.task, "failure", 0.0)
             return
         attempt = self.claim.entry.attempt
-        self.ctx = TaskContext(self.key, self.run_id, attempt, self.worker_id, params, runner=self.runner)
+        try:
+            upstream = await self._upstream()
+        except StoreError as exc:  # the server's fault, not the task's: run it later, no budget spent
+            self.log.warning("could not read the tasks this one runs after; releasing it", error=str(exc))
+            self.stopped = Stop.SHUTDOWN
+            await self._release()
+            return
+        self.ctx = TaskContext(
+            self.key, self.run_id, attempt, self.worker_id, params, runner=self.runner, upstream=upstream
+        )
         self._handler = asyncio.create_task(
             self._attempts(registration, self.ctx), name=f"handler:{self.key}"
         )
@@ -199,6 +211,13 @@ class Execution:
             await asyncio.shield(self._conclude())
             raise
         await self._conclude()
+
+    async def _upstream(self) -> Mapping[str, Task]:
+        """The tasks this one runs after, by key in ``after`` order (``ctx.upstream``)."""
+        if not self.task.after:
+            return MappingProxyType({})
+        found = {t.key: t.bound(self.runner) for t in await self.store.get_many(self.task.after)}
+        return MappingProxyType({k: found[k] for k in self.task.after if k in found})
 
     async def _slot_held(self) -> bool:
         return self.holds_slot is None or await self.holds_slot(self.run_id)
@@ -226,6 +245,8 @@ class Execution:
         elif outcome is not None:
             await self._write(outcome)
             self.observer.finished(self.task, "success" if outcome.error is None else "failure", seconds)
+            if self.ended is not None and self.task.dependents and self._may_end(outcome):
+                self.ended(self.key)
         elif self.stopped in RELEASING:
             await self._release()
             self.observer.finished(self.task, "released", seconds)
@@ -233,6 +254,11 @@ class Execution:
             reason = self.stopped and self.stopped.value
             self.log.warning("run abandoned: another worker may own it", reason=reason)
             self.observer.finished(self.task, "lost", seconds)
+
+    def _may_end(self, outcome: Outcome) -> bool:
+        """Whether ``outcome`` may have ended the task (a failure with budget left does not)."""
+        spent = self.task.failures + 1 >= self.task.options.max_failures
+        return outcome.error is None or outcome.final or spent
 
     # -- handler ----------------------------------------------------------------------------
     async def _attempts(self, registration: Registration, ctx: TaskContext) -> Outcome:

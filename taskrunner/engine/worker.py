@@ -26,7 +26,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import UTC, datetime, timedelta
@@ -61,6 +61,7 @@ from taskrunner.store.base import Claim, Claimed, Window
 from taskrunner.store.fields import BUCKETS
 from taskrunner.store.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.worker_options import WorkerOptions
+from taskrunner.workflows.follower import Follower
 
 if TYPE_CHECKING:
     from taskrunner.client import TaskClient
@@ -193,6 +194,9 @@ class Worker:
             stop_run=self._slot_lost,
             opened=self._gate_opened,
             clock_error=lambda: self.clock.error,
+        )
+        self.follower = Follower(
+            self.store, self._publish_compensations, lambda: self._sweep_intervals()[0], self.log
         )
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
@@ -336,6 +340,7 @@ class Worker:
             "registry": self._registry_loop,
             "limits": self._limits_loop,
             "gates": lambda: self.gates.run(self._stop, self.declared),
+            "workflows": lambda: self.follower.run(self._stop),
         }
         if self.runner.schedules:
             side["scheduler"] = self._schedule_loop
@@ -854,6 +859,7 @@ class Worker:
             throttle=self._throttle,
             holds_slot=self.gates.holds_slot,
             runner=self.runner,
+            ended=self.follower.owed,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)
@@ -865,6 +871,10 @@ class Worker:
             self.log.warning(
                 "taken over", key=claim.task.key, run_id=claim.run_id, from_workers=claim.entry.took_over
             )
+
+    async def _publish_compensations(self, items: Sequence[Mapping[str, Any]]) -> None:
+        """A failed flow's compensations, for whichever workers serve their names."""
+        await self.runner.publish_many(items, allow_unknown=True)
 
     def _slot_lost(self, run_id: str) -> None:
         """A run's fleet-wide running slot is lost or lapsing: it stops and releases its

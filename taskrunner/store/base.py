@@ -516,7 +516,79 @@ class LimitStore(Protocol):
         missing. The document written, or None when an expectation failed."""
 
 
-class Store(TaskStore, RegistryStore, ScheduleStore, LimitStore, Protocol):
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """A task that owes a follow-up, as one read found it: ``notify`` (its dependents have
+    yet to hear its ``state``) and ``link`` (its upstreams have yet to learn of it), each
+    the counter read, or None when not owed (docs/workflows.md)."""
+
+    key: str
+    state: str
+    notify: Any = None
+    link: Any = None
+    upstreams: tuple[str, ...] = ()
+    """What it waits on or was canceled by: the upstreams a link marks."""
+    flow: str | None = None
+
+
+def follow_up_of(doc: Mapping[str, Any]) -> FollowUp | None:
+    """The follow-up ``doc`` owes (None for a key that is not a string)."""
+    key = doc.get(f.KEY)
+    if not isinstance(key, str):
+        return None
+    listed = [doc.get(f.WAITING_ON), doc.get(f.CANCELED_BY)]
+    upstreams = [k for keys in listed if isinstance(keys, list) for k in keys if isinstance(k, str)]
+    flow = doc.get(f.FLOW)
+    return FollowUp(
+        key=key,
+        state=str(doc.get(f.STATE)),
+        notify=doc.get(f.NOTIFY),
+        link=doc.get(f.LINK),
+        upstreams=tuple(dict.fromkeys(upstreams)),
+        flow=flow if isinstance(flow, str) else None,
+    )
+
+
+class FlowStore(Protocol):
+    """Workflows (``taskrunner.workflows``): the follow-ups that release, cancel and re-arm
+    the tasks that run after others, and a flow's steps."""
+
+    async def follow_ups(
+        self, *, keys: Sequence[str] | None = None, after: Sequence[str] | None = None, limit: int = 100
+    ) -> list[FollowUp]:
+        """Tasks owing a follow-up: any (at most ``limit``), or those among ``keys``, or those
+        that run after one of ``after`` (their dependents)."""
+
+    async def mark_upstreams(self, keys: Sequence[str]) -> None:
+        """``rules.mark_upstream`` on the tasks of ``keys`` (one command)."""
+
+    async def settle(self, states: Mapping[str, str]) -> None:
+        """``rules.settle`` every ``settleable`` dependent of these upstream states (one command)."""
+
+    async def followed_up(self, done: Sequence[FollowUp]) -> None:
+        """Remove each ``notify`` and ``link`` of ``done`` that still holds the value read
+        (one that changed since is owed again, and stays)."""
+
+    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+        """The state of each of ``keys`` that exists."""
+
+    async def get_many(self, keys: Sequence[str]) -> list[Task]:
+        """The tasks of ``keys`` that exist (``Task.read``), in no particular order."""
+
+    async def dependents(self, key: str, *, limit: int = 1000) -> list[Task]:
+        """Tasks that run after ``key`` (the ``after`` index), oldest first."""
+
+    async def flow_tasks(self, flow: str, *, limit: int = 100_000) -> list[Task]:
+        """A flow's steps and compensations, oldest first (the ``flow`` index)."""
+
+    async def count_flow(self, flow: str, states: Sequence[TaskState]) -> int:
+        """How many of a flow's steps (not compensations) are in ``states``."""
+
+    async def stop_flow(self, flow: str, error: TaskError) -> int:
+        """``rules.stop`` the flow's ``stoppable`` steps; how many were stopped."""
+
+
+class Store(TaskStore, RegistryStore, ScheduleStore, LimitStore, FlowStore, Protocol):
     """Where tasks live: ``MongoStore`` (MongoDB) and ``MemoryStore`` (in memory, for tests)
     implement the same rules, checked by one contract test suite."""
 

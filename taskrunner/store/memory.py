@@ -58,6 +58,7 @@ from taskrunner.store.base import (
     Claim,
     Claimed,
     EventKind,
+    FollowUp,
     Listed,
     Listing,
     Page,
@@ -66,6 +67,7 @@ from taskrunner.store.base import (
     RunWrite,
     Window,
     due_page,
+    follow_up_of,
     page_of,
 )
 from taskrunner.store.preflight import ServerInfo
@@ -778,6 +780,80 @@ class MemoryStore:
         return None
 
     # -- internals ------------------------------------------------------------------
+    # -- workflows (taskrunner.workflows) ------------------------------------------------
+    async def follow_ups(
+        self, *, keys: Sequence[str] | None = None, after: Sequence[str] | None = None, limit: int = 100
+    ) -> list[FollowUp]:
+        docs = [d for d in self._docs.values() if f.NOTIFY in d or f.LINK in d]
+        if keys is not None:
+            wanted = set(keys)
+            docs = [d for d in docs if rules.is_one_of(d.get(f.KEY), wanted)]
+        if after is not None:
+            upstreams = set(after)
+            docs = [d for d in docs if rules.is_one_of(d.get(f.AFTER), upstreams)]
+        found = [up for up in map(follow_up_of, docs) if up is not None]
+        return found if keys is not None else found[:limit]
+
+    async def mark_upstreams(self, keys: Sequence[str]) -> None:
+        for key in dict.fromkeys(keys):
+            if (doc := self._docs.get(key)) is not None:
+                rules.mark_upstream(doc)
+                self._emit("update", doc)
+
+    async def settle(self, states: Mapping[str, str]) -> None:
+        heard, now = rules.Heard(dict(states)), self._clock()
+        keys = set(heard.keys)
+        for doc in [d for d in self._docs.values() if rules.settleable(d, keys)]:
+            _changed(doc, lambda trial: rules.settle(trial, heard, now))
+            self._emit("update", doc)
+
+    async def followed_up(self, done: Sequence[FollowUp]) -> None:
+        for up in done:
+            doc = self._docs.get(up.key)
+            changed = False
+            for field, value in ((f.NOTIFY, up.notify), (f.LINK, up.link)):
+                if doc is not None and value is not None and doc.get(field) == value:
+                    del doc[field]
+                    changed = True
+            if changed:
+                self._emit("update", doc)
+
+    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+        return {k: str(d.get(f.STATE)) for k in keys if (d := self._docs.get(k)) is not None}
+
+    async def get_many(self, keys: Sequence[str]) -> list[Task]:
+        return [self._task(d) for k in dict.fromkeys(keys) if (d := self._docs.get(k)) is not None]
+
+    async def dependents(self, key: str, *, limit: int = 1000) -> list[Task]:
+        return self._oldest(
+            [d for d in self._docs.values() if rules.is_one_of(d.get(f.AFTER), (key,))], limit
+        )
+
+    async def flow_tasks(self, flow: str, *, limit: int = 100_000) -> list[Task]:
+        return self._oldest(
+            [d for d in self._docs.values() if rules.is_one_of(d.get(f.FLOW), (flow,))], limit
+        )
+
+    def _oldest(self, docs: list[Doc], limit: int) -> list[Task]:
+        docs.sort(key=lambda d: (str(d.get(f.CREATED_AT)), str(d[f.ID])))
+        return [self._task(d) for d in docs[:limit]]
+
+    async def count_flow(self, flow: str, states: Sequence[TaskState]) -> int:
+        wanted = [s.value for s in states]
+        return sum(
+            rules.is_one_of(d.get(f.FLOW), (flow,)) and rules.is_one_of(d.get(f.STATE), wanted)
+            for d in self._docs.values()
+            if f.COMPENSATES not in d
+        )
+
+    async def stop_flow(self, flow: str, error: TaskError) -> int:
+        now, stopped = self._clock(), 0
+        for doc in [d for d in self._docs.values() if rules.stoppable(d, flow)]:
+            rules.stop(doc, error.model_dump(), now)
+            self._emit("update", doc)
+            stopped += 1
+        return stopped
+
     def _emit(self, kind: EventKind, doc: Doc | None, key: str | None = None) -> None:
         self._seq += 1
         snapshot = _clone(doc)

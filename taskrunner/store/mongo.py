@@ -70,6 +70,7 @@ from taskrunner.store.base import (
     Claimed,
     EventKind,
     Failure,
+    FollowUp,
     Listed,
     Listing,
     Page,
@@ -78,6 +79,7 @@ from taskrunner.store.base import (
     RunWrite,
     Window,
     due_page,
+    follow_up_of,
     page_of,
 )
 from taskrunner.store.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
@@ -979,6 +981,71 @@ class MongoStore:
             stream = await self.collection.watch(pipeline, resume_after=resume_after, **options)
         return _MongoChangeStream(stream, read)
 
+    # -- workflows (taskrunner.workflows) --------------------------------------------------
+    async def follow_ups(
+        self, *, keys: Sequence[str] | None = None, after: Sequence[str] | None = None, limit: int = 100
+    ) -> list[FollowUp]:
+        query: Doc = x.owes_follow_up()
+        if keys is not None:
+            query = {f.KEY: {"$in": list(keys)}, **query}
+        if after is not None:
+            query = {f.AFTER: {"$in": list(after)}, **query}
+        projection = dict.fromkeys(FOLLOW_UP_FIELDS, 1)
+        with mapped_errors():
+            docs = await self.collection.find(query, projection).limit(limit if keys is None else 0).to_list()
+        return [up for up in map(follow_up_of, docs) if up is not None]
+
+    async def mark_upstreams(self, keys: Sequence[str]) -> None:
+        with mapped_errors():
+            await self.collection.update_many({f.KEY: {"$in": list(keys)}}, x.mark_upstream())
+
+    async def settle(self, states: Mapping[str, str]) -> None:
+        heard = rules.Heard(dict(states))
+        with mapped_errors():
+            await self.collection.update_many(x.settleable(heard.keys), x.settle(heard))
+
+    async def followed_up(self, done: Sequence[FollowUp]) -> None:
+        ops = [
+            UpdateOne({f.KEY: up.key, field: value}, {"$unset": {field: ""}})
+            for up in done
+            for field, value in ((f.NOTIFY, up.notify), (f.LINK, up.link))
+            if value is not None
+        ]
+        if ops:
+            with mapped_errors():
+                await self.collection.bulk_write(ops, ordered=False)
+
+    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+        with mapped_errors():
+            docs = await self.collection.find({f.KEY: {"$in": list(keys)}}, {f.KEY: 1, f.STATE: 1}).to_list()
+        return {d[f.KEY]: str(d.get(f.STATE)) for d in docs if isinstance(d.get(f.KEY), str)}
+
+    async def get_many(self, keys: Sequence[str]) -> list[Task]:
+        with mapped_errors():
+            docs = await self._raw.find({f.KEY: {"$in": list(keys)}}).to_list()
+        return [self._task(_decode(doc)) for doc in docs]
+
+    async def dependents(self, key: str, *, limit: int = 1000) -> list[Task]:
+        return await self._tasks({f.AFTER: key}, limit)
+
+    async def flow_tasks(self, flow: str, *, limit: int = 100_000) -> list[Task]:
+        return await self._tasks({f.FLOW: flow}, limit)
+
+    async def _tasks(self, query: Doc, limit: int) -> list[Task]:
+        with mapped_errors():
+            docs = await self._raw.find(query).sort([(f.CREATED_AT, 1), (f.ID, 1)]).limit(limit).to_list()
+        return [self._task(_decode(doc)) for doc in docs]
+
+    async def count_flow(self, flow: str, states: Sequence[TaskState]) -> int:
+        query = {f.FLOW: flow, f.STATE: {"$in": [s.value for s in states]}, f.COMPENSATES: {"$exists": False}}
+        with mapped_errors():
+            return await self.collection.count_documents(query)
+
+    async def stop_flow(self, flow: str, error: TaskError) -> int:
+        with mapped_errors():
+            result = await self.collection.update_many(x.stoppable(flow), x.stop(error.model_dump()))
+        return result.modified_count
+
     async def close(self) -> None:
         if self._owns_client:
             await self.client.close()
@@ -987,6 +1054,10 @@ class MongoStore:
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
         return Task.read(doc, created=created)
+
+
+FOLLOW_UP_FIELDS = (f.KEY, f.STATE, f.NOTIFY, f.LINK, f.WAITING_ON, f.CANCELED_BY, f.FLOW)
+"""What a follow-up reads of a task (``FollowUp``)."""
 
 
 def _listing_queries(listing: Listing) -> tuple[Doc | None, Doc]:
