@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         ConfigurationError,
         DocumentTooLarge,
         Fail,
+        FlowNotFound,
         InvalidParams,
         InvalidSchedule,
         InvalidState,
@@ -31,12 +32,14 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         TaskNotFound,
         TaskRunnerError,
         UnknownTaskName,
+        UnknownUpstream,
         WaitTimeout,
         WriteRejected,
     )
     from taskrunner.limits.gates import Limit
     from taskrunner.limits.state import LimitState, LimitView
     from taskrunner.models import (
+        Compensation,
         EntryState,
         NewTask,
         PinnedAway,
@@ -59,6 +62,8 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
     from taskrunner.store.preflight import ServerCheck, ServerInfo
     from taskrunner.sync import SyncTaskRunner
     from taskrunner.worker_options import WorkerOptions
+    from taskrunner.workflows.builder import Flow, Step
+    from taskrunner.workflows.model import FlowState, FlowView
 
 # Each public name is imported on first use (PEP 562), not with the package: the
 # `taskrunner` command imports this package for every command, and most commands need
@@ -67,7 +72,12 @@ _EXPORTS = {
     "ConfigurationError": "taskrunner.errors",
     "DocumentTooLarge": "taskrunner.errors",
     "EntryState": "taskrunner.models",
+    "Compensation": "taskrunner.models",
     "Fail": "taskrunner.errors",
+    "Flow": "taskrunner.workflows.builder",
+    "FlowNotFound": "taskrunner.errors",
+    "FlowState": "taskrunner.workflows.model",
+    "FlowView": "taskrunner.workflows.model",
     "InvalidParams": "taskrunner.errors",
     "InvalidSchedule": "taskrunner.errors",
     "InvalidState": "taskrunner.errors",
@@ -92,6 +102,7 @@ _EXPORTS = {
     "ServerTooOld": "taskrunner.errors",
     "StoreError": "taskrunner.errors",
     "StoreUnavailable": "taskrunner.errors",
+    "Step": "taskrunner.workflows.builder",
     "StoredTask": "taskrunner.models",
     "SyncTask": "taskrunner.models",
     "SyncTaskRunner": "taskrunner.sync",
@@ -107,6 +118,7 @@ _EXPORTS = {
     "TaskState": "taskrunner.models",
     "TaskStats": "taskrunner.models",
     "UnknownTaskName": "taskrunner.errors",
+    "UnknownUpstream": "taskrunner.errors",
     "Unreadable": "taskrunner.models",
     "WaitTimeout": "taskrunner.errors",
     "Worker": "taskrunner.engine.worker",
@@ -141,10 +153,15 @@ def __dir__() -> list[str]:
 # Engine internals (the store protocol and MongoStore, claims, change events, errors the
 # worker handles itself) stay importable from their modules, outside this promise.
 __all__ = [
+    "Compensation",
     "ConfigurationError",
     "DocumentTooLarge",
     "EntryState",
     "Fail",
+    "Flow",
+    "FlowNotFound",
+    "FlowState",
+    "FlowView",
     "InvalidParams",
     "InvalidSchedule",
     "InvalidState",
@@ -169,6 +186,7 @@ __all__ = [
     "ServerTooOld",
     "StoreError",
     "StoreUnavailable",
+    "Step",
     "StoredTask",
     "SyncTask",
     "SyncTaskRunner",
@@ -184,6 +202,7 @@ __all__ = [
     "TaskState",
     "TaskStats",
     "UnknownTaskName",
+    "UnknownUpstream",
     "Unreadable",
     "WaitTimeout",
     "Worker",

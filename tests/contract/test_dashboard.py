@@ -109,7 +109,14 @@ async def test_overview_counts_each_state(populated: TaskRunner) -> None:
     async with client(populated) as http:
         page = (await http.get("/")).text
     counts = dict(re.findall(r'<td data-count-state="(\w+)">(\d+)</td>', page))
-    assert counts == {"PENDING": "1", "RUNNING": "0", "SUCCESS": "1", "FAIL": "1", "CANCELED": "1"}
+    assert counts == {
+        "WAITING": "0",
+        "PENDING": "1",
+        "RUNNING": "0",
+        "SUCCESS": "1",
+        "FAIL": "1",
+        "CANCELED": "1",
+    }
     assert "data-workers>1<" in page
 
 

@@ -967,7 +967,9 @@ heard_states = st.dictionaries(
         task({f.STATE: "WAITING", f.AFTER: ["u1"], f.WAITING_ON: ["u1"], f.CLAIMABLE_AT: MISSING}),
         task({f.STATE: "WAITING", f.AFTER: ["u2"], f.WAITING_ON: ["u2"], f.DEPENDENTS: True}),
         task({f.STATE: "WAITING", f.AFTER: ["u2"], f.WAITING_ON: ["u2"], f.ON_UPSTREAM_FAILURE: "run"}),
-        task({**ENDED, f.STATE: "CANCELED", f.AFTER: ["u3", "u1"], f.WAITING_ON: ["u3"], f.CANCELED_BY: ["u3"]}),
+        task(
+            {**ENDED, f.STATE: "CANCELED", f.AFTER: ["u3", "u1"], f.WAITING_ON: ["u3"], f.CANCELED_BY: ["u3"]}
+        ),
         task({f.STATE: "WAITING", f.AFTER: [1, "u2"], f.WAITING_ON: [1, "u2", "u2"]}),
     ),
     states={"u1": "SUCCESS", "u2": "FAIL", "u3": "RUNNING"},

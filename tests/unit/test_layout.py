@@ -96,13 +96,14 @@ def test_the_cycle_finder_sees_a_cycle() -> None:
 
 def test_store_and_features_import_no_public_api_or_engine_above_them() -> None:
     """The store imports neither the runner nor the engine's worker; limits and schedules
-    import no runner; the engine imports no runner, CLI or dashboard; the client and the
+    import no runner (workflows no client either); the engine imports no runner, CLI or dashboard; the client and the
     handler's context import nothing of the engine that runs handlers."""
     graph = import_graph()
     below = {
         "taskrunner.store": {"taskrunner.runner", "taskrunner.engine.worker", "taskrunner.limits.gatekeeper"},
         "taskrunner.limits": {"taskrunner.runner", "taskrunner.engine.worker"},
         "taskrunner.schedules": {"taskrunner.runner", "taskrunner.engine.worker"},
+        "taskrunner.workflows": {"taskrunner.runner", "taskrunner.client", "taskrunner.engine.worker"},
         "taskrunner.engine": {
             "taskrunner.runner",
             "taskrunner.sync",
