@@ -16,6 +16,9 @@ What is patched (the behaviour is written in the module named):
   ``runtime_state._evaluate_expression_with_missing`` (how ``$set``/``$addFields`` compute a
   field): a ``$cond`` or ``$switch`` whose branch is missing sets nothing, as MongoDB's
   (``taskrunner.dev.computed``). Process-wide, once.
+* ``array_string_expressions._append_unique_values`` (how set expressions drop repeated
+  values): strings are hashed, in linear time, as MongoDB's (``taskrunner.dev.sets``).
+  Process-wide, once.
 * The server's change hub, ``_append_committed_event_locked``: every event mongoeco
   publishes goes through the bridge's oplog first (``taskrunner.dev.oplog``).
 * The server's engine, ``_ensure_unique_indexes``: MongoDB's 16 MiB document limit, and
@@ -32,13 +35,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from taskrunner.dev import bracketing, computed
+from taskrunner.dev import bracketing, computed, sets
 from taskrunner.dev.engine import checked_store
 from taskrunner.dev.faults import connection_hooks
 from taskrunner.dev.wire import MONGOECO_AVAILABLE
 
 if MONGOECO_AVAILABLE:
-    from mongoeco.core.aggregation import runtime_state, transform_stages
+    from mongoeco.core.aggregation import array_string_expressions, runtime_state, transform_stages
     from mongoeco.core.compiled_query import CompiledQuery
     from mongoeco.core.filtering import QueryEngine
 
@@ -76,6 +79,8 @@ def patch_query_language() -> None:
     name = "_evaluate_expression_with_missing"
     for module in (transform_stages, runtime_state):
         setattr(module, name, computed.keeping_missing(getattr(module, name)))
+    unique = "_append_unique_values"
+    setattr(array_string_expressions, unique, sets.linear(getattr(array_string_expressions, unique)))
 
 
 def patch_engine(engine: Any) -> None:

@@ -1030,9 +1030,16 @@ def upstream_error(heard: Heard) -> Expr:
     return {"$let": {"vars": {"first": first}, "in": error}}
 
 
+def markable(keys: Sequence[str]) -> dict[str, Any]:
+    """``rules.markable``: through the key index."""
+    unmarked_or_ended = [{f.DEPENDENTS: {"$ne": True}}, {f.STATE: {"$in": list(FINISHED)}}]
+    return {f.KEY: {"$in": list(keys)}, "$or": unmarked_or_ended}
+
+
 def mark_upstream() -> list[Expr]:
     """``rules.mark_upstream``."""
-    return [{"$set": {f.DEPENDENTS: True, f.NOTIFY: bumped(f.NOTIFY)}}]
+    ended = {"$in": [f.ref(f.STATE), list(FINISHED)]}
+    return [{"$set": {f.DEPENDENTS: True, f.NOTIFY: {"$cond": [ended, bumped(f.NOTIFY), f.ref(f.NOTIFY)]}}}]
 
 
 def stoppable(flow: str) -> dict[str, Any]:

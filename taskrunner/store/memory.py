@@ -795,8 +795,9 @@ class MemoryStore:
         return found if keys is not None else found[:limit]
 
     async def mark_upstreams(self, keys: Sequence[str]) -> None:
+        wanted = set(keys)
         for key in dict.fromkeys(keys):
-            if (doc := self._docs.get(key)) is not None:
+            if (doc := self._docs.get(key)) is not None and rules.markable(doc, wanted):
                 rules.mark_upstream(doc)
                 self._emit("update", doc)
 

@@ -997,7 +997,7 @@ class MongoStore:
 
     async def mark_upstreams(self, keys: Sequence[str]) -> None:
         with mapped_errors():
-            await self.collection.update_many({f.KEY: {"$in": list(keys)}}, x.mark_upstream())
+            await self.collection.update_many(x.markable(keys), x.mark_upstream())
 
     async def settle(self, states: Mapping[str, str]) -> None:
         heard = rules.Heard(dict(states))

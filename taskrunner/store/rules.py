@@ -981,11 +981,18 @@ def upstream_error(upstream: Any, states: Mapping[str, str]) -> Doc:
     return {f.ERROR_TYPE: f.UPSTREAM_FAILED, f.ERROR_MESSAGE: message, f.ERROR_TRACEBACK: None}
 
 
+def markable(doc: Doc, keys: Collection[str]) -> bool:
+    """What ``mark_upstream`` writes on: a task of ``keys`` not yet marked, or finished."""
+    unmarked = not any(v is True for v in _query_values(doc.get(f.DEPENDENTS)))
+    return is_one_of(doc.get(f.KEY), keys) and (unmarked or is_one_of(doc.get(f.STATE), FINISHED))
+
+
 def mark_upstream(doc: Doc) -> None:
-    """An upstream a dependent links to: it has ``dependents`` now, and owes them one more
-    ``notify`` (the dependent hears its state at once, whatever it is)."""
+    """An upstream a dependent links to has ``dependents`` from now on, so the write that
+    ends it announces it; one that ended already owes a ``notify`` now."""
     doc[f.DEPENDENTS] = True
-    doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1
+    if doc.get(f.STATE) in FINISHED:
+        doc[f.NOTIFY] = tally(doc.get(f.NOTIFY)) + 1
 
 
 def stoppable(doc: Doc, flow: str) -> bool:

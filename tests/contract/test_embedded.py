@@ -293,6 +293,11 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
     broken += [
         f"CompiledQuery.{n} missing" for n in _COMPILED_NAMES if not hasattr(compiled_query.CompiledQuery, n)
     ]
+    from mongoeco.core.aggregation import array_string_expressions as sets
+
+    unique = inspect.signature(sets._append_unique_values).parameters
+    if list(unique) != ["target", "values", "dialect", "collation"]:
+        broken.append(f"array_string_expressions._append_unique_values takes {list(unique)} now")
     source = inspect.getsource(compiled_query)
     broken += [f"compiled_query.py no longer has {code}" for code in _COMPILED_CODE if code not in source]
     client = EcoClient(change_stream_history_size=3)

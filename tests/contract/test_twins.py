@@ -994,19 +994,24 @@ def test_settle(server: Scratch, docs: list[Doc], states: dict[str, str]) -> Non
 
 
 @twins
-@example(docs=batch(task({f.NOTIFY: "x"}), task({f.DEPENDENTS: False})))  # a broken counter restarts at 1
+@example(  # a broken counter restarts at 1; one marked and running is left alone
+    docs=batch(task({**ENDED, f.NOTIFY: "x"}), task({f.DEPENDENTS: False}), task({f.DEPENDENTS: [True]}))
+)
 @given(docs=batches())
 def test_mark_upstream(server: Scratch, docs: list[Doc]) -> None:
-    """``mark_upstream`` writes what ``rules.mark_upstream`` writes."""
+    """``markable`` matches what ``rules.markable`` takes, and ``mark_upstream`` writes what
+    ``rules.mark_upstream`` writes."""
     server.load(docs)
-    _, found = server.updated({f.KEY: "k"}, x.mark_upstream())
+    matched, found = server.updated(x.markable(["k"]), x.mark_upstream())
 
     def mark(doc: Doc) -> bool:
-        if rules.is_one_of(doc.get(f.KEY), ("k",)):
-            rules.mark_upstream(doc)
+        if not rules.markable(doc, ["k"]):
+            return False
+        rules.mark_upstream(doc)
         return True
 
-    _, expected = python_twin(docs, mark)
+    chosen, expected = python_twin(docs, mark)
+    assert_same_choice(chosen, matched, docs, "mark")
     assert_same(expected, found, docs)
 
 
