@@ -31,8 +31,9 @@ import asyncio
 import inspect
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar, overload
 from uuid import uuid4
 
@@ -40,7 +41,7 @@ import pytest
 import pytest_asyncio
 
 from taskrunner.context import TaskContext
-from taskrunner.models import to_utc
+from taskrunner.models import Task, to_utc
 from taskrunner.runner import TaskRunner
 from taskrunner.store.memory import MemoryStore
 
@@ -141,12 +142,14 @@ def make_context(
     attempt: int = 1,
     worker_id: str = "test-worker",
     runner: TaskRunner | None = None,
+    upstream: Mapping[str, Task] | None = None,
 ) -> TaskContext:
     """A ``TaskContext`` for calling a handler directly, as a worker would on that attempt.
 
     ``ctx.runner`` is ``runner`` (e.g. a ``memory_runner(app)``), else a runner of its own
     on a fresh ``MemoryStore``: what the handler publishes through it stays in memory,
-    readable as ``await ctx.runner.get(key)``."""
+    readable as ``await ctx.runner.get(key)``. ``upstream`` is ``ctx.upstream`` (the tasks
+    a workflow step runs after, by key; e.g. read with ``await runner.get(key)``)."""
     return TaskContext(
         key=key,
         run_id=uuid4().hex,
@@ -154,6 +157,7 @@ def make_context(
         worker_id=worker_id,
         params=params,
         runner=runner if runner is not None else TaskRunner(store=MemoryStore()),
+        upstream=MappingProxyType(dict(upstream or {})),
     )
 
 

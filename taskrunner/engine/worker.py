@@ -494,6 +494,12 @@ class Worker:
         names = self.active_names()
         if not names:
             return True
+        try:
+            if not await self.follower.idle():
+                return False  # a follow-up may release tasks that run after others
+        except StoreError as exc:
+            await asyncio.sleep(self._claims.failed(exc))
+            return False
         # A task published a moment ago (a handler's follow-up) has claimable_at = the server's
         # time then, which this worker's estimate of the server clock may not have reached yet.
         horizon = self._server_now() + timedelta(seconds=DRAIN_SLACK)

@@ -30,6 +30,8 @@ class Follower:
         """``publish`` publishes a failed flow's compensations (any task name)."""
         self.store, self.publish, self.interval = store, publish, interval
         self._owed: set[str] = set()
+        self._busy = False
+        self._sweep_now = False
         self._wake = asyncio.Event()
         self._outage = Outage(log, "workflow follow-ups failed; retrying", "workflow follow-ups recovered")
 
@@ -37,6 +39,15 @@ class Follower:
         """The run of ``key`` wrote an outcome that may have ended it: follow up now."""
         self._owed.add(key)
         self._wake.set()
+
+    async def idle(self) -> bool:
+        """Nothing is owed, here or by any task (a draining worker stops only then); when
+        something is, a sweep starts now."""
+        if self._owed or self._busy or await self.store.follow_ups(limit=1):
+            self._sweep_now = True
+            self._wake.set()
+            return False
+        return True
 
     async def flows(self, flow: str) -> None:
         await check(self.store, flow, self.publish)
@@ -49,7 +60,8 @@ class Follower:
                     await self._wake.wait()
             self._wake.clear()
             keys, self._owed = sorted(self._owed), set()
-            sweeping = time.monotonic() >= sweep_at
+            sweeping = self._sweep_now or time.monotonic() >= sweep_at
+            self._busy, self._sweep_now = True, False
             try:
                 if keys:
                     await follow_up(self.store, await self.store.follow_ups(keys=keys), self.flows)
@@ -61,3 +73,5 @@ class Follower:
             except StoreError as exc:
                 self._owed.update(keys)  # done again after the pause
                 sweep_at = time.monotonic() + self._outage.failed(exc)
+            finally:
+                self._busy = False

@@ -349,3 +349,25 @@ def runner_log() -> Any:
     from taskrunner.observability.logs import get_logger
 
     return get_logger("taskrunner.test")
+
+
+@pytest.mark.parametrize("runner", ["memory", "mongo"], indirect=True)
+async def test_a_draining_worker_runs_a_whole_flow_before_it_stops(runner: TaskRunner) -> None:
+    """A worker in drain mode does not stop while a follow-up may still release a task:
+    a chain and a fan-in run to the end, each step seeing its upstreams' results."""
+    seen: dict[str, list[Any]] = {}
+
+    @runner.task()
+    async def step(params: dict[str, Any], ctx: TaskContext) -> int:
+        seen[ctx.key] = sorted(r for t in ctx.upstream.values() for r in t.results)
+        return int(params["n"])
+
+    flow = runner.flow("drained")
+    first = flow.add("step", {"n": 1})
+    middle = flow.group(*[("step", {"n": n}) for n in (2, 3, 4)], after=first)
+    flow.chain(("step", {"n": 5}), ("step", {"n": 6}), after=middle)
+    await flow.publish()
+    await asyncio.wait_for(runner.run_worker(drain=True, concurrency=2), 60)
+    view = await runner.get_flow("drained")
+    assert view.state is FlowState.SUCCESS
+    assert seen["drained/step-5"] == [2, 3, 4] and seen["drained/step-6"] == [5]
