@@ -207,7 +207,7 @@ async def test_bad_after_is_a_clear_error_and_publishes_nothing(store: Store) ->
     with pytest.raises(InvalidTask, match="cannot run after itself"):
         await runner.publish("job", key="x5", after=["x5"])
     with pytest.raises(InvalidTask, match="not the string"):
-        await runner.publish("job", key="x6", after="x1")  # type: ignore[arg-type]
+        await runner.publish("job", key="x6", after="x1")  # a str is an Iterable[str]: refused at run time
     with pytest.raises(InvalidTask, match="after"):
         await runner.publish("job", key="x7", after=[1])  # type: ignore[list-item]
     await runner.publish("job", key="up")
