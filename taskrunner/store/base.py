@@ -549,6 +549,16 @@ def follow_up_of(doc: Mapping[str, Any]) -> FollowUp | None:
     )
 
 
+def counters_read(done: Sequence[FollowUp]) -> dict[tuple[str, Any], list[str]]:
+    """The keys of ``done`` by counter (``notify`` or ``link``) and the value read of it."""
+    grouped: dict[tuple[str, Any], list[str]] = {}
+    for up in done:
+        for field, value in ((f.NOTIFY, up.notify), (f.LINK, up.link)):
+            if value is not None:
+                grouped.setdefault((field, value), []).append(up.key)
+    return grouped
+
+
 class FlowStore(Protocol):
     """Workflows (``taskrunner.workflows``): the follow-ups that release, cancel and re-arm
     the tasks that run after others, and a flow's steps."""

@@ -1063,5 +1063,7 @@ def stop(error: dict[str, Any], now: Expr = NOW) -> list[Expr]:
 
 
 def owes_follow_up() -> dict[str, Any]:
-    """Tasks owing a follow-up (``notify`` or ``link``), each through its small index."""
-    return {"$or": [{f.NOTIFY: {"$exists": True}}, {f.LINK: {"$exists": True}}]}
+    """Tasks owing a follow-up (``notify`` or ``link``), each through its small index; only
+    string keys (a hand-written document without one could never be followed up, and would
+    fill every sweep's page)."""
+    return {"$or": [{f.NOTIFY: {"$exists": True}}, {f.LINK: {"$exists": True}}], f.KEY: {"$type": "string"}}

@@ -529,7 +529,7 @@ class MemoryStore:
         if doc is None:
             raise TaskNotFound(key)
         if not rules.cancelable(doc):
-            raise InvalidState(key, doc[f.STATE], "cancel", "PENDING or RUNNING")
+            raise InvalidState(key, doc[f.STATE], "cancel", "WAITING, PENDING or RUNNING")
         rules.cancel(doc, self._clock())
         self._emit("update", doc)
         return self._task(doc)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, cast
 import bson
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.raw_bson import RawBSONDocument
-from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateOne, monitoring
+from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateMany, UpdateOne, monitoring
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.collection import AsyncCollection
@@ -78,6 +78,7 @@ from taskrunner.store.base import (
     RunStatus,
     RunWrite,
     Window,
+    counters_read,
     due_page,
     follow_up_of,
     page_of,
@@ -705,7 +706,7 @@ class MongoStore:
             )
         if doc is None:
             finished = await self.get(key)  # raises TaskNotFound
-            raise InvalidState(key, finished.state.value, "cancel", "PENDING or RUNNING")
+            raise InvalidState(key, finished.state.value, "cancel", "WAITING, PENDING or RUNNING")
         return self._task(doc)
 
     async def retry(self, key: str) -> Task:
@@ -1005,11 +1006,10 @@ class MongoStore:
             await self.collection.update_many(x.settleable(heard.keys), x.settle(heard))
 
     async def followed_up(self, done: Sequence[FollowUp]) -> None:
+        # One update per counter value read (most follow-ups read 1), not one per task.
         ops = [
-            UpdateOne({f.KEY: up.key, field: value}, {"$unset": {field: ""}})
-            for up in done
-            for field, value in ((f.NOTIFY, up.notify), (f.LINK, up.link))
-            if value is not None
+            UpdateMany({f.KEY: {"$in": keys}, field: value}, {"$unset": {field: ""}})
+            for (field, value), keys in counters_read(done).items()
         ]
         if ops:
             with mapped_errors():

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
+from taskrunner.errors import StoreError
 from taskrunner.models import TaskState
+from taskrunner.observability.logs import get_logger
 from taskrunner.store.base import FlowStore, FollowUp
 
+log = get_logger("taskrunner.workflows")
 SETTLE_CHUNK = 1000
 """Upstreams one settling command names at most."""
 MAX_ROUNDS = 10_000
@@ -48,11 +51,29 @@ async def _round(
     states = {key: p.state for key, p in heard.items()}
     for chunk in _chunks(states):
         await store.settle(chunk)
+    failed: set[str] = set()
     if flows is not None:
         for flow in sorted({p.flow for p in heard.values() if p.flow is not None and _ended(p.state)}):
-            await flows(flow)
-    await store.followed_up([*linking, *heard.values()])
+            if not await _checked(flows, flow):
+                failed.add(flow)
+    # A flow whose check failed keeps its steps' notify: the next sweep checks it again.
+    await store.followed_up(
+        [p for p in [*linking, *heard.values()] if p.flow not in failed or p.notify is None]
+    )
     return states, (await store.follow_ups(after=list(states)) if states else [])
+
+
+async def _checked(flows: FlowCheck, flow: str) -> bool:
+    """Run a flow's check; one that fails for another reason than the server (a bug, a
+    document changed by hand) is logged and left owed, never stopping the other follow-ups."""
+    try:
+        await flows(flow)
+    except StoreError:
+        raise
+    except Exception as exc:
+        log.error("flow check failed; it is tried again at the next sweep", flow=flow, error=repr(exc))
+        return False
+    return True
 
 
 def _ended(state: str) -> bool:
