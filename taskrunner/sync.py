@@ -18,6 +18,7 @@ from taskrunner.store.preflight import ServerCheck
 
 if TYPE_CHECKING:
     from taskrunner.client import TaskClient
+    from taskrunner.workflows import Flow, FlowView
 
 T = TypeVar("T")
 
@@ -85,6 +86,21 @@ class SyncTaskRunner:
     def retry(self, key: str) -> SyncTask:
         """``TaskRunner.retry``, blocking."""
         return self._task("retry", self._runner.retry(key))
+
+    def flow(self, flow_id: str) -> Flow:
+        """``TaskRunner.flow``: build it (``add``, ``chain``, ``group``), then ``publish_flow``."""
+        return self._runner.flow(flow_id)
+
+    def publish_flow(self, flow: Flow, *, allow_unknown: bool = False) -> list[SyncTask]:
+        """``await flow.publish()``, blocking, for a flow this facade's ``flow`` made."""
+        if not flow.publishes_with(self._runner):
+            raise ValueError("publish_flow takes a flow made by this SyncTaskRunner's flow()")
+        published = self._call("publish_flow", flow.publish(allow_unknown=allow_unknown))
+        return [SyncTask.of(task, self) for task in published]
+
+    def get_flow(self, flow_id: str) -> FlowView:
+        """``TaskRunner.get_flow``, blocking (wait for a step with ``wait(key)``)."""
+        return self._call("get_flow", self._runner.get_flow(flow_id))
 
     def close(self) -> None:
         """Close the connection and stop the facade's loop (idempotent)."""

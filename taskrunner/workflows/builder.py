@@ -57,6 +57,10 @@ class Flow:
         self._steps: dict[str, dict[str, Any]] = {}
         self._names: dict[str, int] = {}
 
+    def publishes_with(self, publisher: object) -> bool:
+        """Whether ``publish`` publishes through ``publisher``."""
+        return self._publisher is publisher
+
     @property
     def steps(self) -> list[Step]:
         """The steps added so far, in order."""

@@ -142,3 +142,18 @@ def test_a_flow_state_adds_up_its_steps(
     compensations = [stored(f"u{i}", s, compensates="s0") for i, s in enumerate(undos)]
     assert flow_state(tasks, compensations) is state
     assert TaskState.WAITING.finished is False
+
+
+def test_a_sync_runner_builds_publishes_and_reads_a_flow() -> None:
+    """SyncTaskRunner.flow builds a flow that publish_flow publishes, blocking; get_flow reads it."""
+    from taskrunner import MemoryStore
+
+    with TaskRunner(store=MemoryStore()).sync() as runner:
+        flow = runner.flow("s")
+        first = flow.add("a")
+        flow.add("b", after=first)
+        published = runner.publish_flow(flow)
+        assert [(t.key, t.state.value) for t in published] == [("s/a", "PENDING"), ("s/b", "WAITING")]
+        assert runner.get_flow("s").state is FlowState.RUNNING
+        with pytest.raises(ValueError, match="made by this"):
+            runner.publish_flow(TaskRunner().flow("other"))
