@@ -17,7 +17,8 @@ What is patched (the behaviour is written in the module named):
   field): a ``$cond`` or ``$switch`` whose branch is missing sets nothing, as MongoDB's
   (``taskrunner.dev.computed``). Process-wide, once.
 * ``array_string_expressions._append_unique_values`` (how set expressions drop repeated
-  values): strings are hashed, in linear time, as MongoDB's (``taskrunner.dev.sets``).
+  values) and ``CompiledQuery._node_to_code`` for ``$in`` (how a filter's list of values is
+  matched): strings are hashed, in linear time, as MongoDB's (``taskrunner.dev.sets``).
   Process-wide, once.
 * The server's change hub, ``_append_committed_event_locked``: every event mongoeco
   publishes goes through the bridge's oplog first (``taskrunner.dev.oplog``).
@@ -75,6 +76,7 @@ def patch_query_language() -> None:
     _wrap_classmethod("_evaluate_comparison", bracketing.path_missing)
     comparison_code = bracketing.through_the_plan(CompiledQuery._comparison_code)
     setattr(CompiledQuery, "_comparison_code", comparison_code)  # noqa: B010 - mypy forbids assigning a method
+    setattr(CompiledQuery, "_node_to_code", sets.hashed_in(CompiledQuery._node_to_code))  # noqa: B010
     CompiledQuery._compile_expression.cache_clear()  # matchers compiled before bound the old functions
     name = "_evaluate_expression_with_missing"
     for module in (transform_stages, runtime_state):

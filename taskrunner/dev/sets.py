@@ -32,3 +32,31 @@ def linear(original: AppendUnique) -> AppendUnique:
         original(target, values, **options)
 
     return append_unique_values
+
+
+def hashed_in(original: Callable[..., str]) -> Callable[..., str]:
+    """``CompiledQuery._node_to_code`` (how a filter becomes Python) with ``$in`` over
+    strings as a set lookup: mongoeco compares each value with every listed one, so a claim
+    among keys, or a follow-up naming 10,000 upstreams, cost a comparison per pair. A
+    string listed in ``$in`` matches exactly the equal strings (no collation here), never
+    another type, null included."""
+    from mongoeco.core.query_plan import InCondition
+
+    @functools.wraps(original)
+    def node_to_code(self: Any, node: Any, depth: int) -> str:
+        values: Any = getattr(node, "values", None) or ()
+        if (
+            isinstance(node, InCondition)
+            and self.collation is None
+            and values
+            and all(type(v) is str for v in values)
+        ):
+            field_key = self._field(node.field)
+            values_key = self._store("values", frozenset(values))
+            return (
+                f"any(type(candidate) is str and candidate in {values_key}"
+                f" for candidate in (_extract(doc, {field_key}) or [None]))"
+            )
+        return original(self, node, depth)
+
+    return node_to_code

@@ -365,11 +365,13 @@ _QUERY_ENGINE_NAMES = (
     "_evaluate_comparison",
     "_extract_values",
 )
-_COMPILED_NAMES = ("_comparison_code", "_store", "_compile_expression")
+_COMPILED_NAMES = ("_comparison_code", "_store", "_compile_expression", "_node_to_code", "_field")
 _COMPILED_CODE = (
     "'top_compare': QueryEngine._match_top_level_comparison",
     "'match_plan': QueryEngine.match_plan",
     "match_plan(doc, {node_key}, dialect=dialect, '",
+    "'extract': QueryEngine.extract_values",
+    "case InCondition(",
 )
 
 
