@@ -986,43 +986,65 @@ class MongoStore:
     async def follow_ups(
         self, *, keys: Sequence[str] | None = None, after: Sequence[str] | None = None, limit: int = 100
     ) -> list[FollowUp]:
-        query: Doc = x.owes_follow_up()
-        if keys is not None:
-            query = {f.KEY: {"$in": list(keys)}, **query}
-        if after is not None:
-            query = {f.AFTER: {"$in": list(after)}, **query}
         projection = dict.fromkeys(FOLLOW_UP_FIELDS, 1)
+        found: list[Doc] = []
         with mapped_errors():
-            docs = await self.collection.find(query, projection).limit(limit if keys is None else 0).to_list()
-        return [up for up in map(follow_up_of, docs) if up is not None]
+            if keys is None and after is None:
+                found = await self.collection.find(x.owes_follow_up(), projection).limit(limit).to_list()
+            for chunk in _chunks(keys or []):
+                query = {f.KEY: {"$in": chunk}, **x.owes_follow_up()}
+                found += await self.collection.find(query, projection).to_list()
+            for chunk in _chunks(after or []):
+                query = {f.AFTER: {"$in": chunk}, **x.owes_follow_up()}
+                found += await self.collection.find(query, projection).limit(limit).to_list()
+        return [up for up in map(follow_up_of, found) if up is not None]
 
     async def mark_upstreams(self, keys: Sequence[str]) -> None:
         with mapped_errors():
-            await self.collection.update_many(x.markable(keys), x.mark_upstream())
+            for chunk in _chunks(keys):
+                await self.collection.update_many(x.markable(chunk), x.mark_upstream())
 
     async def settle(self, states: Mapping[str, str]) -> None:
+        """One page of dependents (``CHUNK``) per update, found by ``_id`` order: a fan-out
+        to 10,000 takes ten, each short, instead of one that holds the server."""
         heard = rules.Heard(dict(states))
+        query, update = x.settleable(heard.keys), x.settle(heard)
+        last: Any = None
         with mapped_errors():
-            await self.collection.update_many(x.settleable(heard.keys), x.settle(heard))
+            while True:
+                page = query if last is None else {**query, f.ID: {"$gt": last}}
+                cursor = self.collection.find(page, {f.ID: 1}).sort(f.ID, 1).limit(CHUNK)
+                ids = [doc[f.ID] for doc in await cursor.to_list()]
+                if ids:
+                    await self.collection.update_many({**query, f.ID: {"$in": ids}}, update)
+                if len(ids) < CHUNK:
+                    return
+                last = ids[-1]
 
     async def followed_up(self, done: Sequence[FollowUp]) -> None:
-        # One update per counter value read (most follow-ups read 1), not one per task.
+        # One update per counter value read (most follow-ups read 1) and CHUNK keys, not per task.
         ops = [
-            UpdateMany({f.KEY: {"$in": keys}, field: value}, {"$unset": {field: ""}})
+            UpdateMany({f.KEY: {"$in": chunk}, field: value}, {"$unset": {field: ""}})
             for (field, value), keys in counters_read(done).items()
+            for chunk in _chunks(keys)
         ]
         if ops:
             with mapped_errors():
                 await self.collection.bulk_write(ops, ordered=False)
 
     async def states(self, keys: Sequence[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
         with mapped_errors():
-            docs = await self.collection.find({f.KEY: {"$in": list(keys)}}, {f.KEY: 1, f.STATE: 1}).to_list()
-        return {d[f.KEY]: str(d.get(f.STATE)) for d in docs if isinstance(d.get(f.KEY), str)}
+            for chunk in _chunks(keys):
+                docs = await self.collection.find({f.KEY: {"$in": chunk}}, {f.KEY: 1, f.STATE: 1}).to_list()
+                found |= {d[f.KEY]: str(d.get(f.STATE)) for d in docs if isinstance(d.get(f.KEY), str)}
+        return found
 
     async def get_many(self, keys: Sequence[str]) -> list[Task]:
+        docs: list[Any] = []
         with mapped_errors():
-            docs = await self._raw.find({f.KEY: {"$in": list(keys)}}).to_list()
+            for chunk in _chunks(keys):
+                docs += await self._raw.find({f.KEY: {"$in": chunk}}).to_list()
         return [self._task(_decode(doc)) for doc in docs]
 
     async def dependents(self, key: str, *, limit: int = 1000) -> list[Task]:
@@ -1054,6 +1076,16 @@ class MongoStore:
     @staticmethod
     def _task(doc: Doc, *, created: bool = False) -> Task:
         return Task.read(doc, created=created)
+
+
+CHUNK = 1000
+"""Keys (or documents) one workflow command names at most: a fan-in or fan-out of 10,000
+takes ten short commands, never one that holds the server for long."""
+
+
+def _chunks(keys: Sequence[Any]) -> Iterator[list[Any]]:
+    for start in range(0, len(keys), CHUNK):
+        yield list(keys[start : start + CHUNK])
 
 
 FOLLOW_UP_FIELDS = (f.KEY, f.STATE, f.NOTIFY, f.LINK, f.WAITING_ON, f.CANCELED_BY, f.FLOW)
