@@ -195,9 +195,7 @@ class Worker:
             opened=self._gate_opened,
             clock_error=lambda: self.clock.error,
         )
-        self.follower = Follower(
-            self.store, self._publish_compensations, lambda: self._sweep_intervals()[0], self.log
-        )
+        self.follower = Follower(self.store, self._publish_compensations, self._sweep_intervals, self.log)
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
         self._clock_outage = Outage(

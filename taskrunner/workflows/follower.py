@@ -68,7 +68,9 @@ class Follower:
                 if sweeping:
                     found = await self.store.follow_ups(limit=SWEEP_LIMIT)
                     await follow_up(self.store, found, self.flows)
-                    sweep_at = time.monotonic() + (0.0 if len(found) >= SWEEP_LIMIT else self.interval())
+                    busy, quiet = self.interval()
+                    pause = 0.0 if len(found) >= SWEEP_LIMIT else busy if found else quiet
+                    sweep_at = time.monotonic() + pause
                 self._outage.ok()
             except StoreError as exc:
                 self._owed.update(keys)  # done again after the pause
