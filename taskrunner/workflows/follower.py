@@ -25,9 +25,10 @@ class Follower:
     on, ``run()`` until ``stop`` (a worker's side task)."""
 
     def __init__(
-        self, store: FlowStore, publish: PublishMany, interval: Callable[[], float], log: Any
+        self, store: FlowStore, publish: PublishMany, interval: Callable[[], tuple[float, float]], log: Any
     ) -> None:
-        """``publish`` publishes a failed flow's compensations (any task name)."""
+        """``publish`` publishes a failed flow's compensations (any task name); ``interval``
+        gives the seconds between sweeps after one that found work and after one that did not."""
         self.store, self.publish, self.interval = store, publish, interval
         self._owed: set[str] = set()
         self._busy = False
