@@ -20,6 +20,9 @@ What is patched (the behaviour is written in the module named):
   values) and ``CompiledQuery._node_to_code`` for ``$in`` (how a filter's list of values is
   matched): strings are hashed, in linear time, as MongoDB's (``taskrunner.dev.sets``).
   Process-wide, once.
+* ``stages._apply_union_with`` (``$unionWith``): the union's collection is narrowed by
+  its sub-pipeline's leading ``$match`` before mongoeco copies it (``taskrunner.dev.unions``).
+  Process-wide, once.
 * The server's change hub, ``_append_committed_event_locked``: every event mongoeco
   publishes goes through the bridge's oplog first (``taskrunner.dev.oplog``).
 * The server's engine, ``_ensure_unique_indexes``: MongoDB's 16 MiB document limit, and
@@ -36,13 +39,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from taskrunner.dev import bracketing, computed, sets
+from taskrunner.dev import bracketing, computed, sets, unions
 from taskrunner.dev.engine import checked_store
 from taskrunner.dev.faults import connection_hooks
 from taskrunner.dev.wire import MONGOECO_AVAILABLE
 
 if MONGOECO_AVAILABLE:
-    from mongoeco.core.aggregation import array_string_expressions, runtime_state, transform_stages
+    from mongoeco.core.aggregation import array_string_expressions, runtime_state, stages, transform_stages
     from mongoeco.core.compiled_query import CompiledQuery
     from mongoeco.core.filtering import QueryEngine
 
@@ -81,6 +84,8 @@ def patch_query_language() -> None:
     name = "_evaluate_expression_with_missing"
     for module in (transform_stages, runtime_state):
         setattr(module, name, computed.keeping_missing(getattr(module, name)))
+    union = unions.matched_first(getattr(stages, "_apply_union_with"), transform_stages._apply_match)  # noqa: B009
+    setattr(stages, "_apply_union_with", union)  # noqa: B010
     unique = "_append_unique_values"
     setattr(array_string_expressions, unique, sets.linear(getattr(array_string_expressions, unique)))
 

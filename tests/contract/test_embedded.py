@@ -295,6 +295,11 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
     ]
     from mongoeco.core.aggregation import array_string_expressions as sets
 
+    from mongoeco.core.aggregation import stages
+
+    union = list(inspect.signature(stages._apply_union_with).parameters)[:4]  # type: ignore[attr-defined]
+    if union != ["documents", "spec", "collection_resolver", "variables"]:
+        broken.append(f"stages._apply_union_with takes {union} now")
     unique = inspect.signature(sets._append_unique_values).parameters
     if list(unique) != ["target", "values", "dialect", "collation"]:
         broken.append(f"array_string_expressions._append_unique_values takes {list(unique)} now")
