@@ -992,7 +992,7 @@ class MongoStore:
             if keys is None and after is None:
                 found = await self.collection.find(x.owes_follow_up(), projection).limit(limit).to_list()
             for chunk in _chunks(keys or []):
-                query = {f.KEY: {"$in": chunk}, **x.owes_follow_up()}
+                query = {**x.owes_follow_up(), f.KEY: {"$in": chunk}}  # strings only, as asked
                 found += await self.collection.find(query, projection).to_list()
             for chunk in _chunks(after or []):
                 query = {f.AFTER: {"$in": chunk}, **x.owes_follow_up()}

@@ -15,6 +15,7 @@ from taskrunner import (
     FlowNotFound,
     FlowState,
     InvalidTask,
+    NewTask,
     TaskContext,
     TaskRunner,
     TaskState,
@@ -371,3 +372,14 @@ async def test_a_draining_worker_runs_a_whole_flow_before_it_stops(runner: TaskR
     view = await runner.get_flow("drained")
     assert view.state is FlowState.SUCCESS
     assert seen["drained/step-5"] == [2, 3, 4] and seen["drained/step-6"] == [5]
+
+
+async def test_follow_ups_of_keys_are_those_keys_only(store: Store) -> None:
+    """Asking for the follow-ups some keys owe returns theirs, not those other tasks owe."""
+    runner = runner_on(store)
+    await runner.publish_many([{"name": "job", "key": "u1"}, {"name": "job", "key": "u2"}])
+    await store.publish(
+        [NewTask.build(key=k, name="job", after=[u]) for k, u in (("d1", "u1"), ("d2", "u2"))]
+    )
+    assert [up.key for up in await store.follow_ups(keys=["d1"])] == ["d1"]
+    assert sorted(up.key for up in await store.follow_ups()) == ["d1", "d2"]
