@@ -266,19 +266,6 @@ async def _sample_workflows(runner: TaskRunner, tasks: Any, now: datetime) -> No
         assert claimed is not None, key
         await runs.succeed(store, key, claimed.run_id, result)
 
-    running = runner.flow("etl:2026-11-26")
-    extract = running.add("extract", {"day": "2026-11-26"})
-    parts = running.group(*[("transform", {"part": part}) for part in (1, 2, 3)], after=extract)
-    running.add("load", {"table": "sales"}, after=parts)
-    await running.publish()
-    await succeed(A, "etl:2026-11-26/extract", {"rows": 3000})
-    await settle("etl:2026-11-26/extract")
-    await succeed(A, "etl:2026-11-26/transform", {"rows": 1000})
-    await settle("etl:2026-11-26/transform")
-    await succeed(B, "etl:2026-11-26/transform-3", {"rows": 1000})  # its follow-up: undone
-    audit = runner.new_task({"name": "audit", "key": "audit:1", "after": ["etl:2026-11-26/extract"]})
-    await store.publish([audit])  # stored, never linked
-
     failed = runner.flow("etl:2026-11-25")
     extract = failed.add("extract", {"day": "2026-11-25"}, max_failures=1)
     failed.chain(("transform", {"part": 1}), ("load", {"table": "sales"}), after=extract)
@@ -303,6 +290,19 @@ async def _sample_workflows(runner: TaskRunner, tasks: Any, now: datetime) -> No
             }
         },
     )
+    # Last, the follow-ups this sample leaves undone: no later write may do them.
+    running = runner.flow("etl:2026-11-26")
+    extract = running.add("extract", {"day": "2026-11-26"})
+    parts = running.group(*[("transform", {"part": part}) for part in (1, 2, 3)], after=extract)
+    running.add("load", {"table": "sales"}, after=parts)
+    await running.publish()
+    await succeed(A, "etl:2026-11-26/extract", {"rows": 3000})
+    await settle("etl:2026-11-26/extract")
+    await succeed(A, "etl:2026-11-26/transform", {"rows": 1000})
+    await settle("etl:2026-11-26/transform")
+    await succeed(B, "etl:2026-11-26/transform-3", {"rows": 1000})  # its follow-up: undone
+    audit = runner.new_task({"name": "audit", "key": "audit:1", "after": ["etl:2026-11-26/extract"]})
+    await store.publish([audit])  # stored, never linked
 
 
 def _left_alone(now: datetime) -> list[dict[str, Any]]:
