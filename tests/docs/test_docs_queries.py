@@ -43,6 +43,7 @@ from workers import dev_server
 
 from taskrunner import TaskRunner
 from taskrunner.models import TaskError, WorkerInfo
+from taskrunner.workflows.settling import follow_up
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXPECT = re.compile(r"<!--\s*expect:\s*(?P<kind>count|keys|keyset|match)=(?P<value>.*?)\s*-->")
@@ -236,11 +237,72 @@ async def _load_sample(uri: str, database: str) -> None:
         ago = {"beat_at": now - timedelta(seconds=70), "expires_at": now - timedelta(seconds=60)}
         await registry.update_one({"_id": C}, {"$set": ago})
         await _sample_schedules(runner, now)
+        await _sample_workflows(runner, tasks, now)
         await tasks.insert_many(_left_alone(now))
         await registry.update_one({"_id": A}, {"$set": {"schedules": ["nightly-report"]}})
     finally:
         await raw.close()
         await runner.close()
+
+
+async def _sample_workflows(runner: TaskRunner, tasks: Any, now: datetime) -> None:
+    """Two flows and a task others wait on (docs/workflows.md), driven through the store as a
+    worker would, with the follow-ups left undone where a dead worker or publisher left them.
+
+    etl:2026-11-26 runs: extract and transform SUCCESS, transform-2 released (PENDING),
+    transform-3 SUCCESS whose worker died before the follow-up (it owes a ``notify``), load
+    WAITING on transform-2 and transform-3. audit:1 was stored by a publisher that died
+    before linking it (it owes a ``link``): WAITING on extract, which succeeded.
+    etl:2026-11-25 failed a day ago: extract FAIL (budget spent), transform and load
+    CANCELED in turn (UpstreamFailed)."""
+    store = runner.store
+
+    async def settle(key: str) -> None:
+        """The follow-up the worker that ended ``key`` does (and those it causes)."""
+        await follow_up(store, await store.follow_ups(keys=[key]))
+
+    async def succeed(worker_id: str, key: str, result: Any) -> None:
+        claimed = await store.claim(worker_id, key=key)
+        assert claimed is not None, key
+        await runs.succeed(store, key, claimed.run_id, result)
+
+    failed = runner.flow("etl:2026-11-25")
+    extract = failed.add("extract", {"day": "2026-11-25"}, max_failures=1)
+    failed.chain(("transform", {"part": 1}), ("load", {"table": "sales"}), after=extract)
+    await failed.publish()
+    claimed = await store.claim(A, key="etl:2026-11-25/extract")
+    assert claimed is not None
+    error = TaskError(type="ConnectionError", message="source unreachable")
+    await runs.fail(store, "etl:2026-11-25/extract", claimed.run_id, error)
+    await settle("etl:2026-11-25/extract")
+    # A day ago, one step after the other: extract failed, then transform and load were canceled.
+    for key, ago in (("extract", 3), ("transform", 2), ("load", 1)):
+        moment = now - timedelta(days=1, minutes=ago)
+        published = now - timedelta(days=1, minutes=5)
+        times = {"created_at": published, "run_at": published, "updated_at": moment, "finished_at": moment}
+        await tasks.update_one({"key": f"etl:2026-11-25/{key}"}, {"$set": times})
+    await tasks.update_one(
+        {"key": "etl:2026-11-25/extract"},
+        {
+            "$set": {
+                "workers.0.claimed_at": now - timedelta(days=1, minutes=4),
+                "workers.0.finished_at": now - timedelta(days=1, minutes=3),
+            }
+        },
+    )
+    # Last, the follow-ups this sample leaves undone: no later write may do them.
+    running = runner.flow("etl:2026-11-26")
+    extract = running.add("extract", {"day": "2026-11-26"})
+    parts = running.group(*[("transform", {"part": part}) for part in (1, 2, 3)], after=extract)
+    running.add("load", {"table": "sales"}, after=parts)
+    await running.publish()
+    await succeed(A, "etl:2026-11-26/extract", {"rows": 3000})
+    await settle("etl:2026-11-26/extract")
+    await succeed(A, "etl:2026-11-26/transform", {"rows": 1000})
+    await settle("etl:2026-11-26/transform")
+    await succeed(B, "etl:2026-11-26/transform-3", {"rows": 1000})  # its follow-up: undone
+    audit = runner.new_task({"name": "audit", "key": "audit:1", "after": ["etl:2026-11-26/extract"]})
+    await store.publish([audit])  # stored, never linked
 
 
 def _left_alone(now: datetime) -> list[dict[str, Any]]:
