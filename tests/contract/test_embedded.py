@@ -294,7 +294,6 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
         f"CompiledQuery.{n} missing" for n in _COMPILED_NAMES if not hasattr(compiled_query.CompiledQuery, n)
     ]
     from mongoeco.core.aggregation import array_string_expressions as sets
-
     from mongoeco.core.aggregation import stages
 
     union = list(inspect.signature(stages._apply_union_with).parameters)[:4]  # type: ignore[attr-defined]
