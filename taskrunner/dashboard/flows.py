@@ -33,12 +33,17 @@ LINKED = 20
 """Upstream and dependent tasks a task page links, the first of each."""
 DEPENDENTS_COUNTED = 1000
 """Dependents a task page reads to say how many there are (it links the first ``LINKED``)."""
+UPSTREAM_READ = 1000
+"""A task page reads the tasks a task runs after whole (``runner.upstream``) up to this many;
+a wider fan-in reads the states of all and the first ``LINKED`` whole, since its page is read
+again each time one of them ends."""
 LABEL_CHARS = 22
 """A box shows the end of its step's key, at most this many characters (the tooltip has it all)."""
 COLUMN, ROW = 200.0, 46.0
 BOX_WIDTH, BOX_HEIGHT = 168.0, 36.0
 MARGIN = 10.0
 BEND = 16.0  # how far an arrow runs straight out of its box before it curves
+LANE = ROW / 2  # room above the boxes for the arrows that pass a level
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Links:
     upstream: list[tuple[str, Task | None]]
     """The first ``LINKED`` keys of ``after``, each with its task (None: not stored any more)."""
     upstream_counts: dict[str, int]
-    """How many of all its upstreams are in each state."""
+    """How many of all its upstreams (those still stored) are in each state."""
     dependents: list[Task]
     """The first ``LINKED`` tasks that run after it, oldest first."""
     dependents_total: int
@@ -112,11 +117,18 @@ class Links:
 
 async def task_links(runner: TaskRunner, task: Task) -> Links:
     """What ``task`` runs after (``runner.upstream``) and what runs after it (``runner.dependents``)."""
-    upstream = await runner.upstream(task.key) if task.after else {}
+    listed = task.after[:LINKED]
+    if len(task.after) <= UPSTREAM_READ:
+        upstream = await runner.upstream(task.key) if task.after else {}
+        counts = _by_state(upstream.values())
+    else:
+        upstream = {found.key: found for found in await runner.store.get_many(listed)}
+        states = Counter((await runner.store.states(task.after)).values())
+        counts = {state.value: states[state.value] for state in TaskState if states[state.value]}
     dependents = await runner.dependents(task.key, limit=DEPENDENTS_COUNTED) if task.dependents else []
     return Links(
-        upstream=[(key, upstream.get(key)) for key in task.after[:LINKED]],
-        upstream_counts=_by_state(upstream.values()),
+        upstream=[(key, upstream.get(key)) for key in listed],
+        upstream_counts=counts,
         dependents=dependents[:LINKED],
         dependents_total=len(dependents),
     )
@@ -154,41 +166,45 @@ def draw(by_level: Sequence[Sequence[StoredTask]], flow_id: str) -> Drawing:
     """Boxes and arrows for the first ``MAX_LEVELS`` levels, ``PER_LEVEL`` boxes each at most."""
     drawn = by_level[:MAX_LEVELS]
     rows = max((min(len(level), PER_LEVEL + 1) for level in drawn), default=0)
-    drawing = Drawing(
-        width=2 * MARGIN + max(len(drawn) - 1, 0) * COLUMN + BOX_WIDTH,
-        height=2 * MARGIN + max(rows - 1, 0) * ROW + BOX_HEIGHT,
-        levels=len(by_level),
-        levels_drawn=len(drawn),
-        steps=sum(map(len, by_level)),
-    )
+    cells: list[tuple[int, float, Sequence[StoredTask]]] = []  # column, row, the steps of one box
     box_of: dict[str, int] = {}  # step key -> index of the box it is drawn in
     for column, level in enumerate(drawn):
         shown = level if len(level) <= PER_LEVEL + 1 else level[:PER_LEVEL]
-        top = MARGIN + (rows - min(len(level), PER_LEVEL + 1)) * ROW / 2  # centred in its column
-        x = MARGIN + column * COLUMN
-        for row, step in enumerate(shown):
-            box_of[step.key] = len(drawing.boxes)
-            drawing.boxes.append(_step_box(step, x, top + row * ROW, flow_id))
-        rest = level[len(shown) :]
-        if rest:
-            for step in rest:
-                box_of[step.key] = len(drawing.boxes)
-            drawing.boxes.append(_rest_box(rest, x, top + len(shown) * ROW))
-    drawing.steps_drawn = sum(1 for box in drawing.boxes if box.key is not None)
-    drawing.arrows = _arrows(drawing.boxes, box_of, drawn)
-    return drawing
+        groups = [[step] for step in shown] + ([level[len(shown) :]] if len(shown) < len(level) else [])
+        top = (rows - len(groups)) / 2  # centred in its column
+        for row, group in enumerate(groups):
+            for step in group:
+                box_of[step.key] = len(cells)
+            cells.append((column, top + row, group))
+    pairs = _pairs(box_of, drawn)
+    skips = {(source, target) for source, target in pairs if cells[target][0] - cells[source][0] > 1}
+    lane = LANE if skips else 0.0  # arrows past a level run above every box
+    boxes = [
+        _box(group, MARGIN + column * COLUMN, MARGIN + lane + row * ROW, flow_id)
+        for column, row, group in cells
+    ]
+    return Drawing(
+        boxes=boxes,
+        arrows=[_arrow(boxes[s], boxes[t], MARGIN + lane / 2 if (s, t) in skips else None) for s, t in pairs],
+        width=2 * MARGIN + max(len(drawn) - 1, 0) * COLUMN + BOX_WIDTH,
+        height=2 * MARGIN + lane + max(rows - 1, 0) * ROW + BOX_HEIGHT,
+        levels=len(by_level),
+        levels_drawn=len(drawn),
+        steps=sum(map(len, by_level)),
+        steps_drawn=sum(1 for box in boxes if box.key is not None),
+    )
 
 
-def _step_box(step: StoredTask, x: float, y: float, flow_id: str) -> Box:
-    short = step.key.removeprefix(f"{flow_id}/") or step.key
-    title = f"{step.key} ({step.name}): {step.state.value}"
-    return Box(x, y, _cut(short), step.state.value, title, step.state.value, key=step.key)
-
-
-def _rest_box(rest: Sequence[StoredTask], x: float, y: float) -> Box:
-    by_state = ", ".join(f"{n} {state}" for state, n in _by_state(rest).items())
-    title = f"{len(rest)} more steps of this level: {by_state}"
-    return Box(x, y, f"+{len(rest)} more", _cut(by_state, end=False), title, "MIXED", count=len(rest))
+def _box(steps: Sequence[StoredTask], x: float, y: float, flow_id: str) -> Box:
+    """One step's box, or the box of the rest of a level, counting its steps by state."""
+    if len(steps) == 1:  # the rest of a level is two steps or more (else that step is drawn)
+        step = steps[0]
+        short = step.key.removeprefix(f"{flow_id}/") or step.key
+        title = f"{step.key} ({step.name}): {step.state.value}"
+        return Box(x, y, _cut(short), step.state.value, title, step.state.value, key=step.key)
+    by_state = ", ".join(f"{n} {state}" for state, n in _by_state(steps).items())
+    title = f"{len(steps)} more steps of this level: {by_state}"
+    return Box(x, y, f"+{len(steps)} more", _cut(by_state, end=False), title, "MIXED", count=len(steps))
 
 
 def _cut(text: str, *, end: bool = True) -> str:
@@ -198,8 +214,8 @@ def _cut(text: str, *, end: bool = True) -> str:
     return "…" + text[-(LABEL_CHARS - 1) :] if end else text[: LABEL_CHARS - 1] + "…"
 
 
-def _arrows(boxes: list[Box], box_of: dict[str, int], drawn: Sequence[Sequence[StoredTask]]) -> list[Arrow]:
-    """One arrow per pair of boxes some step of the second runs after some step of the first."""
+def _pairs(box_of: dict[str, int], drawn: Sequence[Sequence[StoredTask]]) -> list[tuple[int, int]]:
+    """Each pair of boxes (once) such that some step of the second runs after some step of the first."""
     pairs: dict[tuple[int, int], None] = {}
     for level in drawn:
         for step in level:
@@ -208,12 +224,21 @@ def _arrows(boxes: list[Box], box_of: dict[str, int], drawn: Sequence[Sequence[S
                 source = box_of.get(key)
                 if source is not None and source != target:
                     pairs[source, target] = None
-    return [_arrow(boxes[source], boxes[target]) for source, target in pairs]
+    return list(pairs)
 
 
-def _arrow(source: Box, target: Box) -> Arrow:
+def _arrow(source: Box, target: Box, lane: float | None) -> Arrow:
+    """A curve from ``source``'s right edge to ``target``'s left edge; one that passes a level
+    climbs into the ``lane`` above the boxes in the gap after its source, and comes down in the
+    gap before its target."""
     x1, y1 = source.x + BOX_WIDTH, source.y + BOX_HEIGHT / 2
     x2, y2 = target.x, target.y + BOX_HEIGHT / 2
+    if lane is not None:
+        gap = (COLUMN - BOX_WIDTH) / 2
+        return Arrow(
+            f"M{x1:g},{y1:g} C{x1 + gap:g},{y1:g} {x1 + gap:g},{lane:g} {x1 + 2 * gap:g},{lane:g} "
+            f"L{x2 - 2 * gap:g},{lane:g} C{x2 - gap:g},{lane:g} {x2 - gap:g},{y2:g} {x2:g},{y2:g}"
+        )
     middle = (x1 + x2) / 2
     return Arrow(
         f"M{x1:g},{y1:g} C{max(middle, x1 + BEND):g},{y1:g} {min(middle, x2 - BEND):g},{y2:g} {x2:g},{y2:g}"

@@ -17,7 +17,15 @@ from support import run_until
 
 from taskrunner import MemoryStore, TaskRunner
 from taskrunner.dashboard import create_app
-from taskrunner.dashboard.flows import MAX_LEVELS, MAX_ROWS, PER_LEVEL
+from taskrunner.dashboard.flows import (
+    BOX_HEIGHT,
+    BOX_WIDTH,
+    DEPENDENTS_COUNTED,
+    LINKED,
+    MAX_LEVELS,
+    MAX_ROWS,
+    PER_LEVEL,
+)
 from taskrunner.engine.worker import Worker
 from taskrunner.testing import wait_for
 
@@ -123,6 +131,29 @@ async def test_flow_page_draws_each_level_as_a_column_with_an_arrow_per_dependen
     assert 'data-flow-state="RUNNING"' in page and 'data-refresh="any" data-page="flows/f"' in page
 
 
+async def test_an_arrow_that_passes_a_level_runs_above_every_box() -> None:
+    """A step after both the first step and its dependent: the arrow from the first step passes
+    the middle column through a lane above every box, the other two go straight to their target."""
+    runner = app_runner()
+    flow = runner.flow("skip")
+    first = flow.add("ok", {}, key="skip/a")
+    second = flow.add("ok", {}, key="skip/b", after=[first])
+    flow.add("ok", {}, key="skip/c", after=[first, second])
+    await flow.publish()
+    async with served(runner) as http:
+        page = await page_of(http, "/flows/skip")
+    drawn = boxes(page)
+    top = min(y for _, _, y in drawn.values())
+    paths = re.findall(r'<path class="edge" d="([^"]+)"', page)
+    assert len(paths) == 3
+    [passing] = [path for path in paths if " L" in path]
+    middle = top + BOX_HEIGHT / 2  # every box is on the one row: every arrow starts and ends there
+    lane = {float(y) for y in re.findall(r"[\d.]+,([\d.]+)", passing)} - {middle}
+    assert lane and max(lane) < top, (passing, top)
+    start, end = f"M{drawn['skip/a'][1] + BOX_WIDTH:g},{middle:g} ", f" {drawn['skip/c'][1]:g},{middle:g}"
+    assert passing.startswith(start) and passing.endswith(end)
+
+
 async def test_flow_page_shows_new_states_once_a_worker_ran_the_flow() -> None:
     """The page's live fragment (what an open tab fetches on a change) shows every step SUCCESS
     and the flow SUCCESS after a worker ran it, without the page being opened anew."""
@@ -185,11 +216,19 @@ async def test_task_page_links_its_upstream_downstream_and_flow() -> None:
 
 async def test_a_flow_of_10000_steps_draws_a_capped_graph_and_says_so() -> None:
     """1 -> 10,000 -> 1: the wide level draws ``PER_LEVEL`` boxes and one counting the rest, the
-    page says how many steps it drew and lists the first ``MAX_ROWS``, in a page of bounded size."""
+    page says how many steps it drew and lists the first ``MAX_ROWS``, in a page of bounded size;
+    the task pages at either end link the first ``LINKED`` of the 10,000 and count them."""
     runner = app_runner()
     await publish_fan(runner, "big", width=10_000)
     async with served(runner, live=False) as http:
         page = await page_of(http, "/flows/big")
+        root = (await http.get("/tasks/big%2Fok")).text
+        fan_in = (await http.get("/tasks/big%2Fok-10002")).text
+    assert len(re.findall(r'<li data-dependent="', root)) == LINKED
+    assert f"{DEPENDENTS_COUNTED} or more tasks run after it; the first {LINKED}:" in root
+    assert len(re.findall(r'<li data-upstream="', fan_in)) == LINKED
+    counted = re.search(r"runs after 10000 tasks: 10000 <span[^>]*>WAITING</span>", fan_in)
+    assert counted is not None and f"<li>and {10_000 - LINKED} more</li>" in fan_in
     assert len(boxes(page)) == PER_LEVEL + 2
     assert [count for _, count in rest_boxes(page)] == [10_000 - PER_LEVEL]
     assert f"Drawn: {PER_LEVEL + 2} of 10002 steps in boxes of their own." in page
