@@ -4,6 +4,7 @@ runs after, those that run after it, and its flow; everything from a document is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import html
 import json
@@ -13,7 +14,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from support import run_until
 
 from taskrunner import MemoryStore, TaskRunner
 from taskrunner.dashboard import create_app
@@ -26,7 +26,6 @@ from taskrunner.dashboard.flows import (
     MAX_ROWS,
     PER_LEVEL,
 )
-from taskrunner.engine.worker import Worker
 from taskrunner.testing import wait_for
 
 XSS_FLOW = "<script>alert('flow')</script>"
@@ -61,17 +60,10 @@ async def publish_fan(runner: TaskRunner, flow_id: str = "f", width: int = 3) ->
     await flow.publish(allow_unknown=True)
 
 
-async def run_flow(runner: TaskRunner, flow_id: str) -> None:
-    """A worker in this process, run until every step and compensation of the flow finished.
-
-    Not a drain: a drain may end between a step's outcome and the follow-up that releases
-    what runs after it."""
-
-    async def finished() -> bool:
-        view = await runner.get_flow(flow_id)
-        return all(task.state.finished for task in (*view.steps, *view.compensations))
-
-    await run_until(Worker(runner, worker_id="w1"), finished, within=60)
+async def run_flow(runner: TaskRunner) -> None:
+    """A worker in this process until nothing is left to claim (the flow's steps and compensations)."""
+    async with asyncio.timeout(60):
+        await runner.run_worker(drain=True, worker_id="w1")
 
 
 @asynccontextmanager
@@ -162,7 +154,7 @@ async def test_flow_page_shows_new_states_once_a_worker_ran_the_flow() -> None:
     async with served(runner) as http:
         before = await page_of(http, "/flows/f?fragment=1")
         assert boxes(before)["f/ok-5"][0] == "WAITING"
-        await run_flow(runner, "f")
+        await run_flow(runner)
 
         async def all_succeeded() -> str | None:
             fragment = (await http.get("/flows/f?fragment=1")).text
@@ -182,7 +174,7 @@ async def test_flow_page_says_why_steps_were_canceled_and_lists_compensations() 
     ship = saga.add("boom", {}, key="saga/ship", after=[charge])
     saga.add("ok", {}, key="saga/notify", after=[ship])
     await saga.publish()
-    await run_flow(runner, "saga")
+    await run_flow(runner)
     async with served(runner) as http:
         page = await page_of(http, "/flows/saga")
         task = (await http.get("/tasks/saga%2Fnotify")).text
