@@ -158,7 +158,6 @@ async def flow_page(runner: TaskRunner, flow_id: str) -> dict[str, Any]:
         "compensations": view.compensations[:MAX_ROWS],
         "max_rows": MAX_ROWS,
         "per_level": PER_LEVEL,
-        "max_levels": MAX_LEVELS,
     }
 
 
