@@ -41,6 +41,7 @@ COMMAND_ORDER = (
     "wait",
     "list",
     "failed",
+    "flow",
     "cancel",
     "retry",
     "purge",

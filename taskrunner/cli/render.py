@@ -11,7 +11,8 @@ from __future__ import annotations
 import io
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO, cast
 from zoneinfo import ZoneInfo
@@ -22,10 +23,22 @@ from rich.table import Table
 from rich.text import Text
 
 from taskrunner.limits.state import ALL
-from taskrunner.models import EntryState, Task, TaskState, TaskStats, WorkerInfo
+from taskrunner.models import EntryState, StoredTask, Task, TaskState, TaskStats, WorkerInfo
 from taskrunner.schedules.model import ScheduleView
+from taskrunner.workflows.levels import levels
+from taskrunner.workflows.model import FlowView
 
 PIPED_WIDTH = 10_000  # no line limit: rich needs a number
+LISTED = 20
+"""Keys ``show`` lists of a task's upstreams, dependents and waits before saying how many more."""
+CELL_KEYS = 3
+"""Keys a table cell lists before saying how many more (a fan-in's ``after`` may hold 10,000)."""
+GRAPH_LEVELS = 50
+"""Levels ``flow`` draws; the rest is one line (``--json`` has every step)."""
+LEVEL_KEYS = 3
+"""A level of at most this many steps names each; a larger one counts its steps by name."""
+LEVEL_NAMES = 5
+"""Names a level counts its steps by before saying how many more names."""
 
 
 def stdout() -> Console:
@@ -156,7 +169,9 @@ def task_summary(task: Task) -> Table:
         ("params", spaced_json(task.params)),
         ("options", spaced_json(task.options.model_dump(mode="json"))),
     ]
-    # A document written by hand: why no worker runs it (marked), or what does not read.
+    rows += workflow_rows(task)
+    # A document written by hand: why no worker runs it (marked), or what does not read;
+    # or why a workflow canceled it (UpstreamFailed, FlowFailed).
     if task.error is not None:
         rows.append(("error", f"{task.error.type}: {task.error.message}"))
     if task.unreadable is not None:
@@ -210,6 +225,158 @@ def print_task(console: Console, task: Task) -> None:
     console.print(task_summary(task))
     if task.workers:
         print_table(console, entries_table(task))
+
+
+def some(keys: Sequence[str], shown: int = CELL_KEYS) -> str:
+    """``keys`` joined, at most ``shown`` of them, then how many more."""
+    if len(keys) <= shown:
+        return ", ".join(keys) or "-"
+    return f"{', '.join(keys[:shown])} and {len(keys) - shown} more"
+
+
+def state_counts(tasks: Iterable[StoredTask]) -> str:
+    """``3 SUCCESS, 2 WAITING``: how many of ``tasks`` are in each state, in ``TaskState``'s order."""
+    counts = Counter(task.state for task in tasks)
+    return ", ".join(f"{counts[state]} {state.value}" for state in TaskState if counts[state])
+
+
+def workflow_rows(task: StoredTask) -> list[tuple[str, str]]:
+    """The summary's lines on the task's place in a workflow (none for a task of its own)."""
+    rows = []
+    if task.flow is not None:
+        rows.append(("flow", task.flow))
+    if task.after:
+        policy = f"on upstream failure: {task.on_upstream_failure}"
+        rows.append(("after", f"{plural(len(task.after), 'task')}; {policy}"))
+    if task.state is TaskState.WAITING:
+        rows.append(("waiting on", some(task.waiting_on, LISTED)))
+    if task.canceled_by:
+        rows.append(("canceled by", some(task.canceled_by, LISTED)))
+    if task.compensate is not None:
+        rows.append(("compensate", f"{task.compensate.name} {spaced_json(task.compensate.params)}"))
+    if task.compensates is not None:
+        rows.append(("compensates", task.compensates))
+    return rows
+
+
+def upstream_table(task: StoredTask, upstream: Mapping[str, StoredTask]) -> Table:
+    """The first ``LISTED`` tasks ``task`` runs after, with their states (a purged one: not stored)."""
+    rows = [
+        (key, found.name, found.state.value) if (found := upstream.get(key)) else (key, "-", "not stored")
+        for key in task.after[:LISTED]
+    ]
+    counts = state_counts(upstream.values())
+    title = f"runs after {plural(len(task.after), 'task')}" + (f": {counts}" if counts else "")
+    if len(task.after) > LISTED:
+        title += f" (the first {LISTED})"
+    return table(title, ("key", "name", "state"), rows, whole=("state",))
+
+
+def dependents_table(dependents: Sequence[StoredTask], counted: int) -> Table:
+    """The first ``LISTED`` tasks that run after a task, of ``dependents`` (read up to ``counted``)."""
+    total = str(len(dependents)) if len(dependents) < counted else f"{counted} or more"
+    title = f"tasks that run after it: {total}" + (
+        f" (the first {LISTED})" if len(dependents) > LISTED else ""
+    )
+    rows = [(t.key, t.name, t.state.value) for t in dependents[:LISTED]]
+    return table(title, ("key", "name", "state"), rows, whole=("state",))
+
+
+def print_relations(
+    console: Console,
+    task: StoredTask,
+    upstream: Mapping[str, StoredTask],
+    dependents: Sequence[StoredTask],
+    counted: int,
+) -> None:
+    """What ``task`` runs after and what runs after it, as ``show`` prints them under the task."""
+    if task.after:
+        print_table(console, upstream_table(task, upstream))
+    if dependents:
+        print_table(console, dependents_table(dependents, counted))
+
+
+def flow_lines(view: FlowView, by_level: Sequence[Sequence[StoredTask]]) -> list[str]:
+    """The flow's state, and how many steps, levels and compensations it has."""
+    counts = state_counts(view.steps)
+    return [
+        f"flow {view.id}: {view.state.value}",
+        f"{plural(len(view.steps), 'step')} in {plural(len(by_level), 'level')}"
+        + (f" ({counts})" if counts else "")
+        + f"; {plural(len(view.compensations), 'compensation')}"
+        + (f" ({state_counts(view.compensations)})" if view.compensations else ""),
+    ]
+
+
+def graph_lines(by_level: Sequence[Sequence[StoredTask]]) -> list[str]:
+    """The flow drawn as text, one line per level and an arrow between levels: a 1 -> 10 -> 1
+    flow reads ``1 step``, ``10 steps``, ``1 step`` down the left."""
+    drawn = by_level[:GRAPH_LEVELS]
+    labels = [plural(len(level), "step") for level in drawn]
+    width = max(map(len, labels), default=0)
+    lines: list[str] = []
+    for label, level in zip(labels, drawn, strict=True):
+        if lines:
+            lines.append("  ↓")
+        lines.append(f"{label:<{width}}  {level_text(level)}")
+    rest = by_level[GRAPH_LEVELS:]
+    if rest:
+        steps = plural(sum(map(len, rest)), "step")
+        lines += ["  ↓", f"... {plural(len(rest), 'more level')} of {steps} (--json has every step)"]
+    return lines
+
+
+def level_text(level: Sequence[StoredTask]) -> str:
+    """A few steps by key and state; more, counted by name (``transform (10): 7 SUCCESS, 3 RUNNING``)."""
+    if len(level) <= LEVEL_KEYS:
+        return ", ".join(f"{task.key} {task.state.value}" for task in level)
+    by_name: dict[str, list[StoredTask]] = {}
+    for task in level:
+        by_name.setdefault(task.name, []).append(task)
+    groups = [f"{name} ({len(tasks)}): {state_counts(tasks)}" for name, tasks in by_name.items()]
+    more = len(groups) - LEVEL_NAMES
+    return "; ".join(groups[:LEVEL_NAMES]) + (f"; and {plural(more, 'more name')}" if more > 0 else "")
+
+
+def step_note(task: StoredTask) -> str:
+    """What a step waits on, or why it failed or was canceled."""
+    if task.state is TaskState.WAITING:
+        return f"waits on {some(task.waiting_on)}"
+    error = task.last_error
+    return f"{error.type}: {error.message}" if error else "-"
+
+
+def steps_table(view: FlowView, by_level: Sequence[Sequence[StoredTask]], limit: int) -> Table:
+    """The flow's steps in publish order (the first ``limit``; 0: all), each with its level."""
+    level_of = {task.key: n for n, level in enumerate(by_level, 1) for task in level}
+    shown = view.steps[:limit] if limit else view.steps
+    rows = [(t.key, t.name, t.state.value, level_of[t.key], some(t.after), step_note(t)) for t in shown]
+    title = plural(len(view.steps), "step")
+    if len(shown) < len(view.steps):
+        title += f", the first {len(shown)} (--limit 0: all)"
+    columns = ("key", "name", "state", "level", "runs after", "note")
+    return table(title, columns, rows, whole=("state", "level"))
+
+
+def compensations_table(compensations: Sequence[StoredTask]) -> Table:
+    """The flow's compensations: each one's key, the step it undoes, its state."""
+    rows = [(t.key, t.compensates or "-", t.name, t.state.value, step_note(t)) for t in compensations]
+    columns = ("key", "undoes", "name", "state", "note")
+    return table(plural(len(compensations), "compensation"), columns, rows, whole=("state",))
+
+
+def print_flow(console: Console, view: FlowView, limit: int) -> None:
+    """``taskrunner flow ID``: state, the graph by level, the steps, the compensations."""
+    by_level = levels(view.steps)
+    for line in flow_lines(view, by_level):
+        console.print(text(line))
+    if view.steps:
+        console.print(Text("graph: each step runs after steps of the levels above it", style="bold"))
+        for line in graph_lines(by_level):
+            console.print(text(line))
+        print_table(console, steps_table(view, by_level, limit))
+    if view.compensations:
+        print_table(console, compensations_table(view.compensations))
 
 
 def tasks_table(tasks: list[Task]) -> Table:

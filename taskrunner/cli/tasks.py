@@ -31,6 +31,7 @@ def _duration(help_text: str) -> Any:
 class StateChoice(enum.StrEnum):
     """``TaskState``'s values, without importing the models for ``--help``."""
 
+    WAITING = "WAITING"
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCESS = "SUCCESS"
@@ -156,17 +157,32 @@ def publish(
     print(task.key)
 
 
+DEPENDENTS_COUNTED = 1000
+"""Tasks that run after a task ``show`` reads to count them (it lists the first ``render.LISTED``)."""
+
+
 @command(app)
 @connected()
 def show(key: Key, as_json: AsJson = False, *, connection: Connection) -> None:
-    """Show one task: summary, options and every worker entry."""
+    """Show one task: summary, options, every worker entry, what it runs after and what runs after it."""
     from taskrunner.cli import render
 
-    task = call(connection, lambda runner: runner.get(key))
     if as_json:
+        task = call(connection, lambda runner: runner.get(key))
         render.print_json(task.model_dump_json(indent=2))
-    else:
-        render.print_task(render.stdout(), task)
+        return
+    task, upstream, dependents = call(connection, lambda runner: _with_relations(runner, key))
+    console = render.stdout()
+    render.print_task(console, task)
+    render.print_relations(console, task, upstream, dependents, DEPENDENTS_COUNTED)
+
+
+async def _with_relations(runner: TaskRunner, key: str) -> tuple[Task, dict[str, Task], list[Task]]:
+    """The task, the tasks it runs after (by key) and those that run after it."""
+    task = await runner.get(key)
+    upstream = await runner.upstream(key) if task.after else {}
+    dependents = await runner.dependents(key, limit=DEPENDENTS_COUNTED) if task.dependents else []
+    return task, upstream, dependents
 
 
 @command(app, "list")
@@ -177,6 +193,9 @@ def list_command(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Only tasks of this handler name.")] = None,
     worker_id: Annotated[str | None, typer.Option("--worker", help="Only tasks this worker claimed.")] = None,
+    flow: Annotated[
+        str | None, typer.Option(metavar="ID", help="Only the steps and compensations of this flow.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=0, help="At most this many tasks (0: all).")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="One task per line as JSON.")] = False,
     *,
@@ -187,15 +206,36 @@ def list_command(
     from taskrunner.models import TaskState
 
     wanted = None if state is None else TaskState(state.value)
-    tasks = call(
-        connection,
-        lambda runner: runner.list_tasks(state=wanted, name=name, worker_id=worker_id, limit=limit),
-    )
+    if flow is None:
+        tasks = call(
+            connection,
+            lambda runner: runner.list_tasks(state=wanted, name=name, worker_id=worker_id, limit=limit),
+        )
+    else:
+        tasks = call(connection, lambda runner: _flow_tasks(runner, flow))
+        tasks = [
+            task
+            for task in tasks
+            if (wanted is None or task.state is wanted)
+            and (name is None or task.name == name)
+            and (worker_id is None or any(w.worker_id == worker_id for w in task.workers))
+        ][: limit or None]
     if as_json:
         for task in tasks:
             render.print_json(task.model_dump_json())
     else:
         render.print_table(render.stdout(), render.tasks_table(tasks)) if tasks else print("no tasks match")
+
+
+async def _flow_tasks(runner: TaskRunner, flow: str) -> list[Task]:
+    """A flow's steps and compensations, oldest first; none for a flow id nobody used."""
+    from taskrunner.errors import FlowNotFound
+
+    try:
+        view = await runner.get_flow(flow)
+    except FlowNotFound:
+        return []
+    return sorted([*view.steps, *view.compensations], key=lambda task: task.created_at)
 
 
 @command(app, "failed")

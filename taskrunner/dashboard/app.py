@@ -18,7 +18,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from taskrunner.dashboard import pages
+from taskrunner.dashboard import flows, pages
 from taskrunner.dashboard.actions import ACTIONS
 from taskrunner.dashboard.hub import Hub, fresh_message
 from taskrunner.dashboard.security import (
@@ -32,7 +32,7 @@ from taskrunner.dashboard.security import (
     same,
 )
 from taskrunner.dashboard.snapshots import Read, Snapshots
-from taskrunner.errors import TaskNotFound, TaskRunnerError
+from taskrunner.errors import FlowNotFound, TaskNotFound, TaskRunnerError
 from taskrunner.models import TaskState
 from taskrunner.observability.redact import redact
 from taskrunner.runner import TaskRunner
@@ -102,7 +102,23 @@ class Dashboard:
     async def task(self, request: Request) -> Response:
         task = await self.runner.get(request.path_params["key"])
         document = task.model_dump(mode="json", by_alias=True)
-        return self.render(request, "task.html", task=task, document=document, progress=pages.progress(task))
+        links = await flows.task_links(self.runner, task)
+        return self.render(
+            request, "task.html", task=task, document=document, progress=pages.progress(task), links=links
+        )
+
+    async def flow(self, request: Request) -> Response:
+        """A flow's graph and steps from its snapshot (a flow of 10,000 steps is a large read)."""
+        flow_id = request.path_params["flow"]
+        page = f"flows/{flow_id}"
+        read = partial(flows.flow_page, self.runner, flow_id)
+        data = await self.snapshots.get(page, read, within=RENDER_WAIT)
+        if data is None:
+            return self.render(request, "reading.html", page=page, title=f"Flow {flow_id}")
+        if data["view"] is None:
+            self.snapshots.drop(page)  # a flow published next is read afresh, not found stale
+            return self.render(request, "error.html", 404, message=str(FlowNotFound(flow_id)))
+        return self.render(request, "flow.html", page=page, **data)
 
     async def workers(self, request: Request) -> Response:
         return self.render(request, "workers.html", workers=await self.runner.workers())
@@ -219,6 +235,7 @@ def create_app(runner: TaskRunner, *, allow_actions: bool = False, token: str | 
         page("/", dashboard.overview),
         page("/tasks", dashboard.tasks),
         page("/tasks/{key:path}", dashboard.task),
+        page("/flows/{flow:path}", dashboard.flow),
         page("/workers", dashboard.workers),
         page("/schedules", dashboard.schedules),
         page("/login", dashboard.login),

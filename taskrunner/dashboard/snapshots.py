@@ -93,6 +93,10 @@ class Snapshots:
         if started:
             await asyncio.wait(started, timeout=within)
 
+    def drop(self, page: str) -> None:
+        """Drop the page's snapshot: its next request reads it first."""
+        self.recent.pop(page, None)
+
     def forget(self) -> None:
         """Drop every snapshot (after an action: the next page shows its effect)."""
         self.recent.clear()

@@ -41,10 +41,18 @@
     timer = setTimeout(refresh, Math.max(0, last + MIN_GAP_MS - Date.now()));
   }
 
+  // A task page also shows the states of the tasks it runs after and that run after it
+  // (data-keys, a JSON list inside the swapped part, so it follows the page's content).
+  function related(key) {
+    const holder = main.querySelector("[data-keys]");
+    if (!holder) return false;
+    try { return JSON.parse(holder.dataset.keys).includes(key); } catch (e) { return false; }
+  }
+
   function relevant(change) {
     if (change.kind === "fresh") return change.page === main.dataset.page;
     if (mode === "any") return true;
-    if (mode === "key") return change.key === null || change.key === main.dataset.key;
+    if (mode === "key") return change.key === null || change.key === main.dataset.key || related(change.key);
     return false;
   }
 
