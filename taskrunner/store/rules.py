@@ -726,8 +726,23 @@ def normalization(doc: Doc, now: Any) -> Doc:
     options = _filled_options(doc)
     if options is not None:
         fill[f.OPTIONS] = options
+    fill |= _waiting(doc)
     if f.CLAIMABLE_AT not in doc and fill.get(f.STATE, doc.get(f.STATE)) in ACTIVE:
         fill[f.CLAIMABLE_AT] = fill.get(f.RUN_AT, doc.get(f.RUN_AT))
+    return fill
+
+
+def _waiting(doc: Doc) -> Doc:
+    """A hand-written task with an ``after`` and no state waits for those keys, as a
+    published one does: WAITING, waiting on all of them, owing its upstreams a ``link``."""
+    after = doc.get(f.AFTER)
+    if f.STATE in doc or not (isinstance(after, list) and after):
+        return {}
+    fill: Doc = {f.STATE: WAITING}
+    if f.WAITING_ON not in doc:
+        fill[f.WAITING_ON] = copy.deepcopy(after)
+    if f.LINK not in doc:
+        fill[f.LINK] = 1
     return fill
 
 
