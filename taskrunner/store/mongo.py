@@ -1005,21 +1005,22 @@ class MongoStore:
                 await self.collection.update_many(x.markable(chunk), x.mark_upstream())
 
     async def settle(self, states: Mapping[str, str]) -> None:
-        """One page of dependents (``CHUNK``) per update, found by ``_id`` order: a fan-out
-        to 10,000 takes ten, each short, instead of one that holds the server."""
+        """One page of dependents (``CHUNK``) per update, found in key order: a fan-out to
+        10,000 takes ten, each short, instead of one that holds the server. (A document whose
+        key is not a string is not a task anyone could settle.)"""
         heard = rules.Heard(dict(states))
         query, update = x.settleable(heard.keys), x.settle(heard)
-        last: Any = None
+        last = ""
         with mapped_errors():
             while True:
-                page = query if last is None else {**query, f.ID: {"$gt": last}}
-                cursor = self.collection.find(page, {f.ID: 1}).sort(f.ID, 1).limit(CHUNK)
-                ids = [doc[f.ID] for doc in await cursor.to_list()]
-                if ids:
-                    await self.collection.update_many({**query, f.ID: {"$in": ids}}, update)
-                if len(ids) < CHUNK:
+                page = {**query, f.KEY: {"$gt": last}}
+                cursor = self.collection.find(page, {f.KEY: 1}).sort(f.KEY, 1).limit(CHUNK)
+                keys = [doc[f.KEY] for doc in await cursor.to_list()]
+                if keys:
+                    await self.collection.update_many({**query, f.KEY: {"$in": keys}}, update)
+                if len(keys) < CHUNK:
                     return
-                last = ids[-1]
+                last = keys[-1]
 
     async def followed_up(self, done: Sequence[FollowUp]) -> None:
         # One update per counter value read (most follow-ups read 1) and CHUNK keys, not per task.
