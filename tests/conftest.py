@@ -7,7 +7,7 @@ import asyncio
 import importlib.util
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from scratch import STORE_DATABASE, TEST_MONGO_URI, drop_collection, new_collection
@@ -115,3 +115,17 @@ async def runner(request: pytest.FixtureRequest) -> AsyncIterator[TaskRunner]:
     async with publisher:
         await publisher.init()
         yield publisher
+
+
+@pytest.fixture
+def raw_insert(store: Store) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """Insert a document as-is, the way an operator could from the mongo shell."""
+
+    async def insert(doc: dict[str, Any]) -> None:
+        if isinstance(store, MemoryStore):
+            store.insert_document(doc)
+        else:
+            assert isinstance(store, MongoStore)
+            await store.collection.insert_one(doc)
+
+    return insert

@@ -7,12 +7,14 @@ import json
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from taskrunner.engine.worker import Worker
+from taskrunner.models import Task
 from taskrunner.testing import wait_for
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -51,3 +53,11 @@ def run_bench(
     assert results.read_text().strip().splitlines()[-1] == line
     result: dict[str, Any] = json.loads(line)
     return result
+
+
+def stored_task(key: str, state: str = "PENDING", **fields: Any) -> Task:
+    """A task as a store reads it back: ``key`` in ``state``, minimal fields, then ``fields``."""
+    now = datetime.now(UTC)
+    base = {"name": "job", "params": {}, "priority": 0, "options": {}, "workers": []}
+    times = {"created_at": now, "updated_at": now, "run_at": now}
+    return Task.model_validate({"key": key, **base, **times, "state": state, **fields})

@@ -53,20 +53,6 @@ Raw = Callable[[dict[str, Any]], Any]
 Elapse = Callable[[float], Awaitable[None]]  # server time passes: the memory clock jumps, a server sleeps
 
 
-@pytest.fixture
-def raw_insert(store: Store) -> Raw:
-    """Insert a document as-is, the way an operator could from the mongo shell."""
-
-    async def insert(doc: dict[str, Any]) -> None:
-        if isinstance(store, MemoryStore):
-            store.insert_document(doc)
-        else:
-            assert isinstance(store, MongoStore)
-            await store.collection.insert_one(doc)
-
-    return insert
-
-
 def task(key: str = "k", **values: Any) -> NewTask:
     options = values.pop("options", {})
     return NewTask.build(key=key, name=values.pop("name", "job"), options=options, **values)

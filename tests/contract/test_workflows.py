@@ -385,12 +385,12 @@ async def test_follow_ups_of_keys_are_those_keys_only(store: Store) -> None:
     assert sorted(up.key for up in await store.follow_ups()) == ["d1", "d2"]
 
 
-async def test_a_hand_written_task_with_after_waits_for_it(store: Store, raw_insert_doc: Any) -> None:
+async def test_a_hand_written_task_with_after_waits_for_it(store: Store, raw_insert: Any) -> None:
     """A document written in the mongo shell with ``after`` and no state is normalized to
     WAITING on those keys (not PENDING), and runs once they succeed."""
     runner = runner_on(store)
     await runner.publish("job", key="up")
-    await raw_insert_doc({"key": "by-hand", "name": "job", "after": ["up"]})
+    await raw_insert({"key": "by-hand", "name": "job", "after": ["up"]})
     normalized = await store.normalize("by-hand")
     assert (normalized.state, normalized.waiting_on, normalized.claimable_at) == (
         TaskState.WAITING,
@@ -402,18 +402,3 @@ async def test_a_hand_written_task_with_after_waits_for_it(store: Store, raw_ins
     await finish(store, "up")
     await follow_up_all(store)
     assert await states(store, "by-hand") == ["PENDING"]
-
-
-@pytest.fixture
-def raw_insert_doc(store: Store) -> Any:
-    """Insert a document as-is, as the mongo shell would."""
-    from taskrunner import MemoryStore
-
-    async def insert(doc: dict[str, Any]) -> None:
-        if isinstance(store, MemoryStore):
-            store.insert_document(doc)
-        else:
-            assert isinstance(store, MongoStore)
-            await store.collection.insert_one(doc)
-
-    return insert

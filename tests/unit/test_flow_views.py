@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from rich.console import Console
+from support import stored_task
 
 from taskrunner.cli import render
 from taskrunner.models import Task, TaskState
@@ -14,25 +13,8 @@ from taskrunner.workflows.model import FlowView
 
 def step(key: str, *after: str, state: TaskState = TaskState.WAITING, name: str = "step") -> Task:
     """A stored step of flow ``f`` running after ``after`` (as ``get_flow`` reads it)."""
-    now = datetime.now(UTC)
     waiting = list(after) if state is TaskState.WAITING else []
-    return Task.model_validate(
-        {
-            "key": key,
-            "name": name,
-            "params": {},
-            "priority": 0,
-            "created_at": now,
-            "updated_at": now,
-            "run_at": now,
-            "options": {},
-            "workers": [],
-            "state": state.value,
-            "after": list(after),
-            "waiting_on": waiting,
-            "flow": "f",
-        }
-    )
+    return stored_task(key, state.value, name=name, after=list(after), waiting_on=waiting, flow="f")
 
 
 def fan(width: int) -> list[Task]:

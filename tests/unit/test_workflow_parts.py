@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from support import stored_task
 
 from taskrunner import FlowState, InvalidTask, NewTask, Task, TaskRunner, TaskState, UnknownUpstream
 from taskrunner.models import Compensation
@@ -18,22 +19,7 @@ NOW = datetime(2026, 11, 26, tzinfo=UTC)
 
 def stored(key: str, state: str = "SUCCESS", after: list[str] | None = None, **fields: Any) -> Task:
     """A task as a store would return it."""
-    return Task.model_validate(
-        {
-            "key": key,
-            "name": "job",
-            "params": {},
-            "priority": 0,
-            "created_at": NOW,
-            "updated_at": NOW,
-            "run_at": NOW,
-            "options": {},
-            "workers": [],
-            "state": state,
-            "after": after or [],
-            **fields,
-        }
-    )
+    return stored_task(key, state, after=after or [], **fields)
 
 
 def test_steps_get_keys_from_the_flow_id_and_chain_and_group_wire_after() -> None:
