@@ -824,7 +824,12 @@ class Worker:
         those this worker ranks highest for, so idle sweepers spread instead of colliding."""
         budget = max(1, self.concurrency - len(self.runs))
         order = sorted(others, key=lambda t: (t.state is not TaskState.RUNNING, self.rank(t)))
-        stolen = [task.key for task in order[:budget] if self.consider(task, steal=True)]
+        stolen: list[str] = []
+        for task in order:  # a live lease listed because it expires within the horizon is no orphan yet
+            if len(stolen) >= budget:
+                break
+            if self.consider(task, steal=True):
+                stolen.append(task.key)
         self.log.debug("swept", orphans=len(others), stolen=stolen)
 
     def _claimed(self, claims: list[Claim]) -> None:
