@@ -401,3 +401,38 @@ def test_cli_startup_smoke(tmp_path: Path) -> None:
     )
     assert result["show_over_used_s"] == pytest.approx(result["show_cpu_s"] - result["used_cpu_s"], abs=1e-3)
     assert isinstance(result["help_within_margin"], bool) and isinstance(result["show_within_margin"], bool)
+
+
+def test_workflows_smoke(tmp_path: Path) -> None:
+    """``workflows.py --smoke`` runs the control, a fan-out, a fan-in and 1 -> 10 -> 1 graphs
+    (N = 24) with in-process workers, then with worker processes, and reports each case's
+    time and commands per task, and their ratios to the control's."""
+    results = tmp_path / "results.jsonl"
+    run_bench("workflows.py", "--smoke", results=results, timeout=300)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["config"]["mode"] for line in lines] == ["inprocess", "processes"]
+    for line in lines:
+        assert line["bench"] == "workflows" and line["smoke"] is True
+        assert line["config"] | {"mode": None} == {"mode": None, "workers": 1, "concurrency": 10, "tasks": 24}
+        cases = line["cases"]
+        assert {name: case["tasks"] for name, case in cases.items()} == {
+            "control": 24,
+            "fan_out": 25,
+            "fan_in": 25,
+            "diamonds": 24,
+        }
+        for case in cases.values():
+            assert case["seconds"] > 0 and case["publish_s"] > 0
+            assert case["ms_per_task"] == pytest.approx(1000 * case["seconds"] / case["tasks"], abs=0.01)
+            total = case["worker_commands_per_task"] + case["publisher_commands_per_task"]
+            assert case["commands_per_task"] == pytest.approx(total, abs=0.01)
+            assert case["worker_commands_per_task"] == pytest.approx(
+                sum(case["worker_commands_per_task_by_command"].values()), abs=0.05
+            )
+        control = cases["control"]
+        assert control["ratio_ms"] == control["ratio_commands"] == 1.0
+        for name in ("fan_out", "fan_in", "diamonds"):  # publishing them also links upstreams
+            assert cases[name]["publisher_commands_per_task"] > control["publisher_commands_per_task"]
+            assert cases[name]["ratio_commands"] == pytest.approx(
+                cases[name]["commands_per_task"] / control["commands_per_task"], abs=0.01
+            )
