@@ -48,6 +48,7 @@ from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
 from taskrunner.store import sizes
 from taskrunner.store.base import Claim, Failure, RunResult, RunStatus, RunWrite, RunWriteKind, Store
+from taskrunner.workflows.upstream import Upstreams
 
 
 class Stop(enum.Enum):
@@ -147,6 +148,7 @@ class Execution:
         holds_slot: Callable[[str], Awaitable[bool]] | None = None,
         runner: TaskClient | None = None,
         ended: Callable[[str], None] | None = None,
+        upstreams: Upstreams | None = None,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name
@@ -154,8 +156,10 @@ class Execution:
         holds its fleet-wide running slot, asked before its outcome is written.
         ``runner`` is the handler's ``ctx.runner`` (the worker's); a lone run gets one
         on ``store`` with ``handlers``. ``ended(key)`` is told when an outcome that may
-        have ended a task others wait on was written (their follow-up is due)."""
+        have ended a task others wait on was written (their follow-up is due). ``upstreams``
+        reads ``ctx.upstream`` (the worker's, keeping succeeded upstreams)."""
         self.throttle, self.holds_slot, self.ended = throttle, holds_slot, ended
+        self.upstreams = upstreams if upstreams is not None else Upstreams(store)
         self.observer: WorkerObserver = observer or NullObserver()
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
@@ -214,10 +218,8 @@ class Execution:
 
     async def _upstream(self) -> Mapping[str, Task]:
         """The tasks this one runs after, by key in ``after`` order (``ctx.upstream``)."""
-        if not self.task.after:
-            return MappingProxyType({})
-        found = {t.key: t.bound(self.runner) for t in await self.store.get_many(self.task.after)}
-        return MappingProxyType({k: found[k] for k in self.task.after if k in found})
+        tasks = await self.upstreams.read(self.task.after)
+        return MappingProxyType({key: task.bound(self.runner) for key, task in tasks.items()})
 
     async def _slot_held(self) -> bool:
         return self.holds_slot is None or await self.holds_slot(self.run_id)

@@ -62,6 +62,7 @@ from taskrunner.store.fields import BUCKETS
 from taskrunner.store.sizes import MAX_WORKER_ID_BYTES
 from taskrunner.worker_options import WorkerOptions
 from taskrunner.workflows.follower import Follower
+from taskrunner.workflows.upstream import Upstreams
 
 if TYPE_CHECKING:
     from taskrunner.client import TaskClient
@@ -195,6 +196,7 @@ class Worker:
             opened=self._gate_opened,
             clock_error=lambda: self.clock.error,
         )
+        self.upstreams = Upstreams(self.store)
         self.follower = Follower(self.store, self._publish_compensations, self._sweep_intervals, self.log)
         # While the server is away each of these logs once when failing starts and once when it ends.
         self._claims = Outage(self.log, "claim failed", "claiming recovered", cap=3.0)
@@ -869,6 +871,7 @@ class Worker:
             holds_slot=self.gates.holds_slot,
             runner=self.runner,
             ended=self.follower.owed,
+            upstreams=self.upstreams,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)

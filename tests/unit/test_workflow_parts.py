@@ -143,3 +143,33 @@ def test_a_sync_runner_builds_publishes_and_reads_a_flow() -> None:
         assert runner.get_flow("s").state is FlowState.RUNNING
         with pytest.raises(ValueError, match="made by this"):
             runner.publish_flow(TaskRunner().flow("other"))
+
+
+async def test_a_worker_reads_a_succeeded_upstream_once_and_others_fresh() -> None:
+    """ctx.upstream's reads keep upstreams that succeeded (they never change) and read the
+    others again each time, in after's order, without keys that do not exist."""
+    from taskrunner import MemoryStore
+    from taskrunner.workflows.upstream import Upstreams
+
+    store = MemoryStore()
+    runner = TaskRunner(store=store)
+    await runner.publish_many([{"name": "job", "key": "ok"}, {"name": "job", "key": "later"}])
+    claim = await store.claim("w", key="ok")
+    assert claim is not None
+    from taskrunner.store.base import RunWrite
+
+    await store.write_runs([RunWrite("success", "ok", claim.run_id, "w", 1)])
+    reads: list[list[str]] = []
+    get_many = store.get_many
+
+    async def counted(keys: Any) -> Any:
+        reads.append(list(keys))
+        return await get_many(keys)
+
+    store.get_many = counted  # type: ignore[method-assign]
+    upstreams = Upstreams(store)
+    first = await upstreams.read(["later", "ok", "gone"])
+    second = await upstreams.read(["ok", "later"])
+    assert list(first) == ["later", "ok"] and list(second) == ["ok", "later"]
+    assert second["ok"].state is TaskState.SUCCESS and second["later"].state is TaskState.PENDING
+    assert reads == [["later", "ok", "gone"], ["later"]]
