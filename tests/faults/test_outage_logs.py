@@ -37,6 +37,7 @@ RECOVERED = {
     "cannot read the server's clock; retrying": "server clock recovered",
     "gates cannot reach the server; retrying": "gates recovered",
     "ping failed; retrying": "ping recovered",
+    "workflow follow-ups failed; retrying": "workflow follow-ups recovered",
 }
 """Each side task's outage line and the line that ends it."""
 SIDE_TASKS_AWAY = {
