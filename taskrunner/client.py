@@ -55,6 +55,7 @@ from taskrunner.store.preflight import ServerCheck
 from taskrunner.workflows import linking, saga, settling
 from taskrunner.workflows.builder import Flow
 from taskrunner.workflows.model import FlowView
+from taskrunner.workflows.upstream import Upstreams
 
 if TYPE_CHECKING:
     from taskrunner.store.base import ChangeStream, Store
@@ -342,8 +343,7 @@ class TaskClient:
     async def upstream(self, key: str) -> dict[str, Task]:
         """The tasks ``key`` runs after, by key (those still stored), as ``ctx.upstream`` has them."""
         task = await self.store.get(key)
-        found = {t.key: t.bound(self) for t in await self.store.get_many(task.after)} if task.after else {}
-        return {k: found[k] for k in task.after if k in found}
+        return {k: t.bound(self) for k, t in (await Upstreams(self.store).read(task.after)).items()}
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask:
         """Validate one publish request; nothing is written if this raises."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 from taskrunner.errors import StoreError
-from taskrunner.models import TaskState
 from taskrunner.observability.logs import get_logger
 from taskrunner.store.base import FlowStore, FollowUp
+from taskrunner.store.rules import FINISHED
 
 log = get_logger("taskrunner.workflows")
 SETTLE_CHUNK = 1000
@@ -53,7 +53,7 @@ async def _round(
         await store.settle(chunk)
     failed: set[str] = set()
     if flows is not None:
-        for flow in sorted({p.flow for p in heard.values() if p.flow is not None and _ended(p.state)}):
+        for flow in sorted({p.flow for p in heard.values() if p.flow is not None and p.state in FINISHED}):
             if not await _checked(flows, flow):
                 failed.add(flow)
     # A flow whose check failed keeps its steps' notify: the next sweep checks it again.
@@ -74,10 +74,6 @@ async def _checked(flows: FlowCheck, flow: str) -> bool:
         log.error("flow check failed; it is tried again at the next sweep", flow=flow, error=repr(exc))
         return False
     return True
-
-
-def _ended(state: str) -> bool:
-    return state in (TaskState.SUCCESS.value, TaskState.FAIL.value, TaskState.CANCELED.value)
 
 
 def _chunks(states: Mapping[str, str]) -> Iterator[dict[str, str]]:
