@@ -56,13 +56,14 @@ if TYPE_CHECKING:  # the names as mypy and the API reference see them
         WorkerInfo,
     )
     from taskrunner.observability.logs import configure_logging
+    from taskrunner.options import PublishOptions, TaskOptionsDict, TaskSpec
     from taskrunner.runner import TaskRunner
     from taskrunner.schedules.model import Schedule, ScheduleState, ScheduleView
     from taskrunner.store.memory import MemoryStore
     from taskrunner.store.preflight import ServerCheck, ServerInfo
     from taskrunner.sync import SyncTaskRunner
     from taskrunner.worker_options import WorkerOptions
-    from taskrunner.workflows.builder import Flow, Step
+    from taskrunner.workflows.builder import Flow, Step, StepDict
     from taskrunner.workflows.model import FlowState, FlowView
 
 # Each public name is imported on first use (PEP 562), not with the package: the
@@ -103,6 +104,7 @@ _EXPORTS = {
     "StoreError": "taskrunner.errors",
     "StoreUnavailable": "taskrunner.errors",
     "Step": "taskrunner.workflows.builder",
+    "StepDict": "taskrunner.workflows.builder",
     "StoredTask": "taskrunner.models",
     "SyncTask": "taskrunner.models",
     "SyncTaskRunner": "taskrunner.sync",
@@ -112,6 +114,9 @@ _EXPORTS = {
     "TaskError": "taskrunner.models",
     "TaskNotFound": "taskrunner.errors",
     "TaskOptions": "taskrunner.models",
+    "TaskOptionsDict": "taskrunner.options",
+    "TaskSpec": "taskrunner.options",
+    "PublishOptions": "taskrunner.options",
     "TaskPage": "taskrunner.models",
     "TaskRunner": "taskrunner.runner",
     "TaskRunnerError": "taskrunner.errors",
@@ -174,6 +179,7 @@ __all__ = [
     "NewTask",
     "NoLiveWorkerWarning",
     "PinnedAway",
+    "PublishOptions",
     "RateLimited",
     "Retry",
     "RunnerClosed",
@@ -185,6 +191,7 @@ __all__ = [
     "ServerInfo",
     "ServerTooOld",
     "Step",
+    "StepDict",
     "StoreError",
     "StoreUnavailable",
     "StoredTask",
@@ -196,9 +203,11 @@ __all__ = [
     "TaskError",
     "TaskNotFound",
     "TaskOptions",
+    "TaskOptionsDict",
     "TaskPage",
     "TaskRunner",
     "TaskRunnerError",
+    "TaskSpec",
     "TaskState",
     "TaskStats",
     "UnknownTaskName",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from datetime import datetime, timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
 from pydantic import ValidationError
 
@@ -44,10 +44,12 @@ from taskrunner.models import (
     TaskState,
     TaskStats,
     Unreadable,
+    UpstreamPolicy,
     WorkerInfo,
     invalid_task,
 )
 from taskrunner.observability.logs import get_logger
+from taskrunner.options import TaskOptionsDict, TaskSpec
 from taskrunner.schedules.model import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 from taskrunner.store import fields as f
 from taskrunner.store import preflight
@@ -116,7 +118,7 @@ class TaskClient:
         rate_limit: str | None = None,
         max_running: int | None = None,
         limit_by: str | None = None,
-        **options: Any,
+        **options: Unpack[TaskOptionsDict],
     ) -> Callable[[H], H]:
         """Register a handler: ``async def h(params: Model, ctx: TaskContext)``.
 
@@ -129,7 +131,7 @@ class TaskClient:
 
         def register(handler: H) -> H:
             _check_option_names(options)
-            self.handlers.add(name or handler.__name__, handler, options, limit)
+            self.handlers.add(name or handler.__name__, handler, dict(options), limit)
             return handler
 
         return register
@@ -149,7 +151,7 @@ class TaskClient:
         grace: Duration = DEFAULT_GRACE,
         priority: int = 0,
         allow_unknown: bool = False,
-        **options: Any,
+        **options: Unpack[TaskOptionsDict],
     ) -> Schedule:
         """Declare a recurring task: ``cron`` (5 fields, or 6 with leading seconds, in
         ``timezone``) or ``every`` (a duration). Each tick publishes one task keyed
@@ -240,11 +242,11 @@ class TaskClient:
         run_at: datetime | None = None,
         delay: Duration | None = None,
         after: Iterable[str] | None = None,
-        on_upstream_failure: str | None = None,
+        on_upstream_failure: UpstreamPolicy | None = None,
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
-        **options: Any,
+        **options: Unpack[TaskOptionsDict],
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
 
@@ -281,7 +283,7 @@ class TaskClient:
 
     async def publish_many(
         self,
-        tasks: Iterable[Mapping[str, Any]],
+        tasks: Iterable[TaskSpec],
         *,
         update_pending: bool = False,
         republish_finished: bool = False,
@@ -289,6 +291,23 @@ class TaskClient:
     ) -> list[Task]:
         """Publish many tasks in one write; each item takes ``publish``'s keywords. An
         item's ``after`` may name keys of items before it."""
+        return await self.publish_specs(
+            tasks,
+            update_pending=update_pending,
+            republish_finished=republish_finished,
+            allow_unknown=allow_unknown,
+        )
+
+    async def publish_specs(
+        self,
+        tasks: Iterable[Mapping[str, Any]],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+        allow_unknown: bool = False,
+    ) -> list[Task]:
+        """``publish_many`` for items a type checker cannot see: dicts read from JSON (the
+        CLI) or built field by field. The same checks run, at run time."""
         build = partial(self.new_task, allow_unknown=allow_unknown)
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
@@ -321,7 +340,7 @@ class TaskClient:
 
     async def _check_flow(self, flow: str) -> None:
         """A step of ``flow`` ended: stop it and publish its compensations if one failed."""
-        await saga.check(self.store, flow, partial(self.publish_many, allow_unknown=True))
+        await saga.check(self.store, flow, partial(self.publish_specs, allow_unknown=True))
 
     def flow(self, flow_id: str) -> Flow:
         """A flow to build step by step and publish in one call (docs/workflows.md):

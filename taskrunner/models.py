@@ -77,6 +77,8 @@ def to_utc(value: object) -> object:
 
 
 Seconds = Annotated[float, BeforeValidator(to_seconds)]
+Duration = float | timedelta
+"""Seconds (``int`` or ``float``) or a ``timedelta``."""
 BACKOFF_POLICIES = ("exponential", "fixed")
 
 
@@ -171,6 +173,9 @@ class TaskOptions(BaseModel):
         return self
 
 
+UpstreamPolicy = Literal["cancel", "run"]
+
+
 class TaskError(BaseModel):
     """What went wrong in a run: exception type, message and traceback."""
 
@@ -199,9 +204,6 @@ class WorkerEntry(BaseModel):
     finished_at: UtcDatetime | None = None
     took_over: list[str] = Field(default_factory=list)
     """Workers whose expired leases this claim dropped (a takeover)."""
-
-
-UpstreamPolicy = Literal["cancel", "run"]
 
 
 class Compensation(BaseModel):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Coroutine, Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from taskrunner.errors import RunnerClosed, WaitTimeout
-from taskrunner.models import SyncTask, Task
+from taskrunner.models import Duration, SyncTask, Task, UpstreamPolicy
+from taskrunner.options import TaskOptionsDict, TaskSpec
 from taskrunner.store.preflight import ServerCheck
 
 if TYPE_CHECKING:
@@ -58,14 +60,55 @@ class SyncTaskRunner:
                 exc.task = SyncTask.of(exc.task, self)  # the last state seen, waitable here too
             raise
 
-    def publish(self, name: str, params: Any = None, **kwargs: Any) -> SyncTask:
+    def publish(
+        self,
+        name: str,
+        params: Any = None,
+        *,
+        key: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: Duration | None = None,
+        after: Iterable[str] | None = None,
+        on_upstream_failure: UpstreamPolicy | None = None,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+        allow_unknown: bool = False,
+        **options: Unpack[TaskOptionsDict],
+    ) -> SyncTask:
         """``TaskRunner.publish``, blocking."""
-        return self._task("publish", self._runner.publish(name, params, **kwargs))
+        publish = self._runner.publish(
+            name,
+            params,
+            key=key,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            after=after,
+            on_upstream_failure=on_upstream_failure,
+            update_pending=update_pending,
+            republish_finished=republish_finished,
+            allow_unknown=allow_unknown,
+            **options,
+        )
+        return self._task("publish", publish)
 
-    def publish_many(self, tasks: Iterable[Mapping[str, Any]], **kwargs: Any) -> list[SyncTask]:
+    def publish_many(
+        self,
+        tasks: Iterable[TaskSpec],
+        *,
+        update_pending: bool = False,
+        republish_finished: bool = False,
+        allow_unknown: bool = False,
+    ) -> list[SyncTask]:
         """``TaskRunner.publish_many``, blocking."""
-        published = self._call("publish_many", self._runner.publish_many(list(tasks), **kwargs))
-        return [SyncTask.of(task, self) for task in published]
+        publish = self._runner.publish_many(
+            list(tasks),
+            update_pending=update_pending,
+            republish_finished=republish_finished,
+            allow_unknown=allow_unknown,
+        )
+        return [SyncTask.of(task, self) for task in self._call("publish_many", publish)]
 
     def get(self, key: str) -> SyncTask:
         """``TaskRunner.get``, blocking."""

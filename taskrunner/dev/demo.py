@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -30,6 +29,7 @@ from taskrunner.dev.processes import ProcessGroup, worker_env
 from taskrunner.dev.server import ServerThread
 from taskrunner.errors import TaskRunnerError
 from taskrunner.models import EntryState, Task, TaskState, WorkerEntry
+from taskrunner.options import TaskSpec
 from taskrunner.runner import TaskRunner
 
 APP_REF = "taskrunner.dev.demo_app:runner"
@@ -42,7 +42,8 @@ STOP_GRACE_SECONDS = 5.0
 TIMELINE_WIDTH = 24  # characters for the whole run so far
 RUNS_COLUMN = "runs (timeline: overlapping bars ran at the same time)"
 # Short heartbeats so the takeover happens within seconds instead of the default 30.
-TIMINGS = {"ping_interval": 0.5, "ping_timeout": 2.0, "retry_backoff": 1.0, "max_failures": 3}
+PING_TIMEOUT = 2.0
+"""Short leases and retries, so a killed worker's task moves on within seconds."""
 STATE_STYLES = {"PENDING": "dim", "RUNNING": "yellow", "SUCCESS": "green", "FAIL": "red", "CANCELED": "red"}
 
 
@@ -58,15 +59,17 @@ class Sample:
     priority: int = 0
     concurrency: int = 1
 
-    def spec(self) -> dict[str, Any]:
-        params = {"seconds": self.seconds}
+    def spec(self) -> TaskSpec:
         return {
             "key": self.key,
             "name": self.name,
-            "params": params,
+            "params": {"seconds": self.seconds},
             "priority": self.priority,
             "concurrency": self.concurrency,
-            **TIMINGS,
+            "ping_interval": 0.5,
+            "ping_timeout": PING_TIMEOUT,
+            "retry_backoff": 1.0,
+            "max_failures": 3,
         }
 
 
@@ -341,7 +344,7 @@ async def _maybe_kill(observed: Observed, runner: TaskRunner, pool: WorkerPool, 
     tasks = await runner.store.find()
     runs = {t.key: e for t in tasks for e in _running_on(t, victim.worker_id)}
     observed.kill = Kill(victim.worker_id, pid, at, runs)
-    expiry = f"its lease expires within {TIMINGS['ping_timeout']:g} s"
+    expiry = f"its lease expires within {PING_TIMEOUT:g} s"
     say(
         live.console,
         f"[{observed.elapsed():4.1f} s] SIGKILL {victim.worker_id} (pid {pid}) while it ran "

@@ -886,7 +886,7 @@ class Worker:
 
     async def _publish_compensations(self, items: Sequence[Mapping[str, Any]]) -> None:
         """A failed flow's compensations, for whichever workers serve their names."""
-        await self.runner.publish_many(items, allow_unknown=True)
+        await self.runner.publish_specs(items, allow_unknown=True)
 
     def _slot_lost(self, run_id: str) -> None:
         """A run's fleet-wide running slot is lost or lapsing: it stops and releases its

@@ -6,14 +6,13 @@ same flow again publishes nothing new: a flow is idempotent by its id, as a task
 key. ``chain`` and ``group`` are Celery's canvas: steps one after another, or side by side.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Required, Unpack
 
 from taskrunner.errors import InvalidTask
-from taskrunner.models import NewTask, Task
+from taskrunner.models import NewTask, Task, UpstreamPolicy
+from taskrunner.options import PublishOptions
 from taskrunner.store import fields as f
 
 
@@ -26,9 +25,21 @@ class Step:
 
 
 Upstream = Step | str
-StepSpec = tuple[str, Any] | Mapping[str, Any]
+
+
+class StepDict(PublishOptions, total=False):
+    """``add``'s arguments as a dict, for ``chain`` and ``group`` (which set ``after``)."""
+
+    name: Required[str]
+    params: Any
+    key: str | None
+    compensate: tuple[str, Any] | None
+    on_upstream_failure: UpstreamPolicy
+
+
+StepSpec = tuple[str, Any] | StepDict
 """What ``chain`` and ``group`` take per step: ``(name, params)``, or ``add``'s keywords as
-a mapping (``{"name": ..., "params": ..., "key": ..., "priority": ...}``)."""
+a dict (``{"name": ..., "params": ..., "key": ..., "priority": ...}``)."""
 
 
 class Publisher(Protocol):
@@ -36,7 +47,7 @@ class Publisher(Protocol):
 
     def new_task(self, spec: Mapping[str, Any], *, allow_unknown: bool = False) -> NewTask: ...
 
-    async def publish_many(
+    async def publish_specs(
         self,
         tasks: Iterable[Mapping[str, Any]],
         *,
@@ -74,8 +85,8 @@ class Flow:
         key: str | None = None,
         after: Upstream | Iterable[Upstream] = (),
         compensate: tuple[str, Any] | None = None,
-        on_upstream_failure: str = "cancel",
-        **options: Any,
+        on_upstream_failure: UpstreamPolicy = "cancel",
+        **options: Unpack[PublishOptions],
     ) -> Step:
         """Add a step: task ``name`` with ``params``, after the steps (or stored task keys)
         in ``after``; ``compensate=(name, params)`` is the task that undoes it if a later
@@ -130,7 +141,7 @@ class Flow:
                 item[f.COMPENSATE] = {"name": checked.name, "params": checked.params}
         if saga:  # every step's end is announced: a failure stops the flow
             items = [{**item, "dependents": True} for item in items]
-        return await self._publisher.publish_many(items, allow_unknown=allow_unknown)
+        return await self._publisher.publish_specs(items, allow_unknown=allow_unknown)
 
     def _key(self, name: str) -> str:
         count = self._names[name] = self._names.get(name, 0) + 1
@@ -138,7 +149,7 @@ class Flow:
 
     def _add_spec(self, spec: StepSpec, after: Upstream | Iterable[Upstream]) -> Step:
         if isinstance(spec, Mapping):
-            given = dict(spec)
+            given: dict[str, Any] = dict(spec)
             if "after" in given:
                 raise InvalidTask("after", "chain and group set each step's after; use add for your own")
             name = given.pop("name", None)

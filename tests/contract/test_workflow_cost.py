@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from taskrunner import TaskContext, TaskError, TaskRunner, TaskState
+from taskrunner import TaskContext, TaskError, TaskRunner, TaskSpec, TaskState
 from taskrunner.observability.roundtrips import RoundTripCounter
 from taskrunner.store import fields as f
 from taskrunner.store.base import Failure, RunStatus, RunWrite
@@ -30,7 +30,7 @@ async def follow_up_commands(
     up = f"{prefix}-up"
     keys = [f"{prefix}-{i:04}" for i in range(dependents)]
     await runner.publish_many(
-        [{"name": "noop", "key": up}, *({"name": "noop", "key": k, "after": [up]} for k in keys)]
+        [TaskSpec(name="noop", key=up), *[TaskSpec(name="noop", key=k, after=[up]) for k in keys]]
     )
     store = runner.store
     claim = await store.claim("w1", key=up)

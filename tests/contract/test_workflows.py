@@ -164,7 +164,7 @@ async def test_a_follow_up_a_killed_worker_left_is_done_by_a_sweep(store: Store)
     await finish(store, "a")  # the outcome landed; its worker did nothing more
     [owed] = await store.follow_ups()
     assert (owed.key, owed.notify) == ("a", 1)
-    follower = Follower(store, runner.publish_many, lambda: (0.05, 0.05), runner_log())
+    follower = Follower(store, runner.publish_specs, lambda: (0.05, 0.05), runner_log())
     stop = asyncio.Event()
     sweeping = asyncio.create_task(follower.run(stop))
     try:

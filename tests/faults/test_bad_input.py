@@ -23,7 +23,7 @@ from pymongo.errors import WriteError
 from scratch import drop_collection, new_collection
 from workers import WorkerPool, WorkerProcess, finished
 
-from taskrunner import NewTask, TaskRunner, TaskState
+from taskrunner import NewTask, TaskRunner, TaskSpec, TaskState
 from taskrunner.errors import InvalidParams, InvalidTask, WriteRejected
 from taskrunner.store import rules
 from taskrunner.testing import wait_for
@@ -274,7 +274,7 @@ async def test_invalid_publish_names_the_field_and_writes_nothing(
 
 async def test_one_invalid_item_rejects_the_whole_publish_many(runner: TaskRunner, raw: Any) -> None:
     """publish_many names the bad item's index and field and writes none of the batch."""
-    batch: list[dict[str, Any]] = [
+    batch: list[TaskSpec] = [
         {"name": "quick", "key": "batch-ok"},
         {"name": "quick", "key": "batch-bad", "concurrency": 0},
     ]

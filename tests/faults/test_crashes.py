@@ -27,7 +27,17 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import WriteError
 from workers import ChangeRecorder, WorkerPool, WorkerProcess
 
-from taskrunner import EntryState, InvalidTask, NewTask, Task, TaskContext, TaskRunner, TaskState
+from taskrunner import (
+    EntryState,
+    InvalidTask,
+    NewTask,
+    Task,
+    TaskContext,
+    TaskOptionsDict,
+    TaskRunner,
+    TaskSpec,
+    TaskState,
+)
 from taskrunner.dev.server import EmbeddedServer
 from taskrunner.engine.worker import Worker
 from taskrunner.store.memory import MemoryStore
@@ -38,7 +48,7 @@ pytestmark = pytest.mark.mongo
 Doc = dict[str, Any]
 FAULTS_APP = "apps.faults_app:runner"
 PING_INTERVAL, PING_TIMEOUT = 0.3, 1.5
-LEASE: dict[str, Any] = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT, "retry_backoff": 0}
+LEASE: TaskOptionsDict = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT, "retry_backoff": 0}
 # Workers that sweep only every minute: what must happen promptly cannot come from a sweep,
 # so bounds on "promptly" can leave a busy host SLACK seconds.
 NO_SWEEPS = ("--poll-interval", "60")
@@ -278,7 +288,9 @@ async def test_killed_change_stream_cursor_strands_no_task(
         with WorkerPool(own_server.uri, collection_name, tmp_path, app=FAULTS_APP) as pool:
             [worker] = pool.start_many(["cs1"], "--concurrency", "4", *NO_SWEEPS)
             await started(worker)
-            before = [{"name": "nap", "key": f"before-{i}", "params": {"seconds": 0.5}} for i in range(4)]
+            before: list[TaskSpec] = [
+                {"name": "nap", "key": f"before-{i}", "params": {"seconds": 0.5}} for i in range(4)
+            ]
             await runner.publish_many(before)
             await wait_for(lambda: pool.marks(event="start"), 30, "a run to start")
             cursors = set(streams._cursors)
@@ -352,7 +364,7 @@ async def test_task_that_kills_its_workers_ends_fail_and_the_fleet_survives(
         try:
             await started(*live)
             async with ChangeRecorder(mongo_uri, collection_name) as changes:
-                await runner.publish("crash", key="poison", max_failures=2, **LEASE)
+                await runner.publish("crash", key="poison", **(LEASE | {"max_failures": 2}))
                 await runner.publish_many(
                     [
                         {
@@ -403,7 +415,9 @@ async def test_hanging_handler_times_out_and_the_worker_stays_up(
         [worker] = pool.start_many(["t1"], "--concurrency", "2")
         await started(worker)
         await runner.publish(
-            "hang", key="hang", timeout=1, local_retries=1, max_failures=2, **{**LEASE, "retry_backoff": 0.2}
+            "hang",
+            key="hang",
+            **(LEASE | {"timeout": 1, "local_retries": 1, "max_failures": 2, "retry_backoff": 0.2}),
         )
         [done] = await wait_for(
             lambda: _finished(runner, "hang"), 30, "the hanging task to fail", interval=0.2
@@ -486,8 +500,7 @@ async def test_workers_an_hour_off_claim_on_time_and_keep_their_leases(
                     {"seconds": 0.1},
                     key=f"late-{w.worker_id}",
                     delay=1.5,
-                    worker_ids=[w.worker_id],
-                    **LEASE,
+                    **(LEASE | {"worker_ids": [w.worker_id]}),
                 )
             for i in range(2):
                 await runner.publish("nap", {"seconds": 3.0}, key=f"long-{i}", **LEASE)

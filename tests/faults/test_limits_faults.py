@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -26,7 +26,7 @@ from pymongo import AsyncMongoClient
 from pymongo import errors as pe
 from workers import WorkerPool, WorkerProcess
 
-from taskrunner import EntryState, Task, TaskRunner, TaskState
+from taskrunner import EntryState, Task, TaskOptionsDict, TaskRunner, TaskSpec, TaskState
 from taskrunner.dev.server import EmbeddedServer
 from taskrunner.limits.gates import gate_id
 from taskrunner.testing import wait_for
@@ -49,18 +49,16 @@ def proxy(mongo_uri: str) -> Iterator[FaultProxy]:
         yield p
 
 
-def mix(capped: int, paced: int, per_tenant: int, seconds: float, tag: str = "") -> Iterable[Doc]:
+def mix(capped: int, paced: int, per_tenant: int, seconds: float, tag: str = "") -> Iterator[TaskSpec]:
     """Tasks of the three limited names (keys <tag>c*, <tag>p*, <tag>t<tenant>*), per_tenant
     of each tenant in ``TENANTS``; paced ones are short."""
-    yield from (
-        {"name": "capped", "key": f"{tag}c{i:02}", "params": {"seconds": seconds}} for i in range(capped)
-    )
-    yield from ({"name": "paced", "key": f"{tag}p{i:02}", "params": {"seconds": 0.05}} for i in range(paced))
+    for i in range(capped):
+        yield {"name": "capped", "key": f"{tag}c{i:02}", "params": {"seconds": seconds}}
+    for i in range(paced):
+        yield {"name": "paced", "key": f"{tag}p{i:02}", "params": {"seconds": 0.05}}
     for t in TENANTS:
-        yield from (
-            {"name": "tenant", "key": f"{tag}t{t}{i}", "params": {"seconds": seconds, "tenant": t}}
-            for i in range(per_tenant)
-        )
+        for i in range(per_tenant):
+            yield {"name": "tenant", "key": f"{tag}t{t}{i}", "params": {"seconds": seconds, "tenant": t}}
 
 
 async def start(pool: WorkerPool, runner: TaskRunner, count: int, *args: str) -> list[WorkerProcess]:
@@ -151,22 +149,19 @@ async def test_connection_drops_leak_no_permit_and_keep_every_limit(
         await start(pool, runner, 4, "--mongo-uri", proxy.uri, "--timeout", "1")
         specs = list(mix(capped=12, paced=20, per_tenant=3, seconds=0.4))
         for wave in range(3):
-            due = {"delay": 4.0 + 6 * wave}
+            delay = 4.0 + 6 * wave
             specs += [
-                *(
-                    {**spec, **due}
+                *[
+                    spec | {"delay": delay}
                     for spec in mix(capped=3, paced=4, per_tenant=0, seconds=0.4, tag=f"w{wave}")
-                ),
-                *(
-                    {
-                        "name": "tenant",
-                        "key": f"w{wave}{t}{i}",
-                        "params": {"seconds": 0.4, "tenant": t},
-                        **due,
-                    }
+                ],
+                *[
+                    TaskSpec(
+                        name="tenant", key=f"w{wave}{t}{i}", params={"seconds": 0.4, "tenant": t}, delay=delay
+                    )
                     for t in ("a", f"new{wave}a", f"new{wave}b")
                     for i in range(2)
-                ),
+                ],
             ]
         await runner.publish_many(specs)
         published = time.monotonic()
@@ -193,8 +188,8 @@ async def test_a_worker_frozen_past_its_gate_lease_keeps_no_run_beyond_max_runni
     never show more than 2 runs at once."""
     with WorkerPool(mongo_uri, collection_name, tmp_path, app=APP) as pool:
         workers = await start(pool, runner, 3)
-        lease = {"ping_interval": 2.0, "ping_timeout": 90.0}
-        specs = [{**spec, **lease} for spec in mix(capped=50, paced=0, per_tenant=0, seconds=1.0)]
+        lease: TaskOptionsDict = {"ping_interval": 2.0, "ping_timeout": 90.0}
+        specs = [spec | lease for spec in mix(capped=50, paced=0, per_tenant=0, seconds=1.0)]
         await runner.publish_many(specs)
         key, stopped = await freeze_during_a_run(runner, workers)
         frozen = stopped.worker_id
@@ -310,8 +305,8 @@ async def test_lost_replies_strand_no_task_and_keep_every_limit(
     nobody runs, even on a gate with a single running slot), and no window or instant
     exceeds a limit."""
     await fault(own_server.uri, "off")
-    lease = {"ping_interval": 0.5, "ping_timeout": 3.0}
-    specs = [{**spec, **lease} for spec in mix(capped=20, paced=30, per_tenant=5, seconds=0.3)]
+    lease: TaskOptionsDict = {"ping_interval": 0.5, "ping_timeout": 3.0}
+    specs = [spec | lease for spec in mix(capped=20, paced=30, per_tenant=5, seconds=0.3)]
     async with TaskRunner(own_server.uri, collection=collection_name) as runner:
         await runner.init()
         with WorkerPool(own_server.uri, collection_name, tmp_path, app=APP) as pool:

@@ -19,7 +19,7 @@ from pymongo import AsyncMongoClient, monitoring
 from pymongo import errors as pe
 from workers import WorkerPool, WorkerProcess
 
-from taskrunner import TaskRunner, TaskState
+from taskrunner import TaskOptionsDict, TaskRunner, TaskState
 from taskrunner.dev.server import EmbeddedServer
 from taskrunner.errors import StoreUnavailable
 from taskrunner.store.base import RunStatus, RunWrite
@@ -171,7 +171,7 @@ async def test_lost_claim_replies_strand_nothing_and_spend_no_budget(
             await started(*workers)
             await fault(own_server.uri, "loseReplies", every=5)
             try:
-                options = {"max_failures": 1, "ping_interval": 0.3, "ping_timeout": 2}
+                options: TaskOptionsDict = {"max_failures": 1, "ping_interval": 0.3, "ping_timeout": 2}
                 await runner.publish_many(
                     [
                         {"name": "nap", "key": f"t{i:02d}", "params": {"seconds": 0.05}, **options}

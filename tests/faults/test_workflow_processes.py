@@ -34,18 +34,19 @@ import pytest
 from apps.workflows_app import EXIT_AFTER_OUTCOME
 from workers import ChangeRecorder, WorkerPool, WorkerProcess, peers_known, wait_exit
 
-from taskrunner import EntryState, FlowState, FlowView, Task, TaskRunner, TaskState
+from taskrunner import EntryState, FlowState, FlowView, Task, TaskOptionsDict, TaskRunner, TaskSpec, TaskState
 from taskrunner.engine.worker import owned_buckets
 from taskrunner.store import fields as f
 from taskrunner.store import rules
 from taskrunner.store.mongo import MongoStore
 from taskrunner.testing import wait_for
+from taskrunner.workflows.builder import StepDict
 
 pytestmark = pytest.mark.mongo
 
 Doc = dict[str, Any]
 APP = "apps.workflows_app:runner"
-LEASE: dict[str, Any] = {"ping_interval": 0.3, "ping_timeout": 1.5, "retry_backoff": 0, "max_failures": 5}
+LEASE: TaskOptionsDict = {"ping_interval": 0.3, "ping_timeout": 1.5, "retry_backoff": 0, "max_failures": 5}
 """Step options: short leases, and a budget no kill in these tests can spend."""
 ENDED_FLOW = (FlowState.SUCCESS, FlowState.FAIL, FlowState.COMPENSATED)
 
@@ -134,7 +135,7 @@ async def test_fan_out_fan_in_through_a_sigkill_runs_each_step_once_never_early(
     flow = runner.flow("fan")
     root = flow.add("step", {}, **LEASE)
     middle = flow.group(
-        *({"name": "step", "params": {"gate": str(gate), "seconds": 0.2}, **LEASE} for _ in range(10)),
+        *[StepDict(name="step", params={"gate": str(gate), "seconds": 0.2}, **LEASE) for _ in range(10)],
         after=root,
     )
     sink = flow.add("fan_in", {"expect": [s.key for s in middle]}, after=middle, **LEASE)
@@ -362,7 +363,7 @@ async def test_a_worker_gone_right_after_an_outcome_leaves_the_release_to_anothe
         await runner.publish_many(
             [
                 {"name": "step", "key": "up", "params": {"gate": str(gate)}, **LEASE},
-                *({"name": "step", "key": key, "after": ["up"], **LEASE} for key in downs),
+                *[TaskSpec(name="step", key=key, after=["up"], **LEASE) for key in downs],
             ]
         )
         gate.touch()  # only now may ``up`` end: the publisher's own follow-up is done
@@ -408,7 +409,7 @@ async def test_a_dependent_released_while_its_owner_is_full_runs_on_a_worker_wit
     gate = tmp_path / "gate"
     w1_buckets = set(owned_buckets("w1", ["w2"]))
     down = next(k for k in (f"down-{i}" for i in itertools.count()) if rules.bucket_of(k) in w1_buckets)
-    held = {"name": "step", "params": {"gate": str(gate)}, **LEASE}
+    held: TaskSpec = {"name": "step", "params": {"gate": str(gate)}, **LEASE}
     with WorkerPool(mongo_uri, collection_name, tmp_path, app=APP) as pool:
         workers = [pool.start("w1", "--concurrency", "1"), pool.start("w2", "--concurrency", "2")]
         await started(*workers)
@@ -500,17 +501,12 @@ async def test_randomized_kills_release_no_step_early_or_twice(
                 failing = rng.choice(list(graph)[1:]) if rng.random() < 0.5 else None
                 graphs.append((graph, failing))
                 await runner.publish_many(
-                    {
-                        "name": "step",
-                        "key": key,
-                        "after": ups,
-                        **LEASE,
-                        **(
-                            {"params": {"fail_without": missing}, "max_failures": 1}
-                            if key == failing
-                            else {"params": {"seconds": rng.uniform(0.2, 0.7)}}
-                        ),
-                    }
+                    TaskSpec(name="step", key=key, after=ups, **LEASE)
+                    | (
+                        TaskSpec(name="step", params={"fail_without": missing}, max_failures=1)
+                        if key == failing
+                        else TaskSpec(name="step", params={"seconds": rng.uniform(0.2, 0.7)})
+                    )
                     for key, ups in graph.items()
                 )
 

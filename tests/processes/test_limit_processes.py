@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, WorkerProcess, peers_known
 
-from taskrunner import Task, TaskRunner, TaskState
+from taskrunner import Task, TaskRunner, TaskSpec, TaskState
 from taskrunner.cli import app
 from taskrunner.testing import wait_for
 
@@ -107,7 +107,7 @@ async def test_limit_by_limits_each_value_and_rate_limited_holds_back_only_that_
         await runner.publish("per_tenant", {"tenant": "a", "throttle": 3.0}, key="a-first")
         until = await wait_for(lambda: _throttled_until(runner, 'per_tenant#"a"'), 60, "tenant a's throttle")
         await asyncio.sleep(1.0)  # every worker reads it within a second, as a name-wide throttle
-        tasks = [
+        tasks: list[TaskSpec] = [
             {"name": "per_tenant", "key": f"{t}{i}", "params": {"tenant": t}} for t in "ab" for i in range(6)
         ]
         await runner.publish_many(tasks)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from workers import TESTS_DIR, WorkerPool
 
-from taskrunner import TaskRunner
+from taskrunner import TaskRunner, TaskSpec
 from taskrunner.models import Task, WorkerEntry
 from taskrunner.observability.metrics import PrometheusObserver, serve_metrics
 from taskrunner.testing import wait_for
@@ -171,10 +171,11 @@ async def test_worker_process_serves_metrics_of_its_runs(
         serving = await wait_for(lambda: worker.find("serving metrics"), 60, "the metrics endpoint")
         port = int(serving[0]["port"])
         await wait_for(lambda: worker.find("worker started"), 60, "the worker to start")
-        await runner.publish_many(
-            [{"name": "quick", "key": f"ok-{i}"} for i in range(3)]
-            + [{"name": "fails_fast", "key": f"bad-{i}", "max_failures": 1} for i in range(2)]
-        )
+        quick: list[TaskSpec] = [{"name": "quick", "key": f"ok-{i}"} for i in range(3)]
+        failing: list[TaskSpec] = [
+            {"name": "fails_fast", "key": f"bad-{i}", "max_failures": 1} for i in range(2)
+        ]
+        await runner.publish_many(quick + failing)
 
         def settled() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
             values = metric_values(scrape(port))

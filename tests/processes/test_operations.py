@@ -21,7 +21,17 @@ from pymongo import MongoClient
 from typer.testing import CliRunner, Result
 from workers import WorkerPool, wait_exit
 
-from taskrunner import EntryState, SyncTask, Task, TaskError, TaskRunner, TaskState, WorkerInfo
+from taskrunner import (
+    EntryState,
+    SyncTask,
+    Task,
+    TaskError,
+    TaskOptionsDict,
+    TaskRunner,
+    TaskSpec,
+    TaskState,
+    WorkerInfo,
+)
 from taskrunner.cli import app
 from taskrunner.errors import NoLiveWorkerWarning, TaskNotFound, WaitTimeout
 from taskrunner.store import fields as f
@@ -31,7 +41,8 @@ from taskrunner.testing import wait_for
 pytestmark = pytest.mark.mongo
 
 OPS_APP = "apps.operations_app:runner"
-PING: dict[str, Any] = {"ping_interval": 0.5, "ping_timeout": 3.0}
+PING_INTERVAL = 0.5
+PING: TaskOptionsDict = {"ping_interval": PING_INTERVAL, "ping_timeout": 3.0}
 UNREACHABLE = ["--mongo-uri", "mongodb://127.0.0.1:9/", "--timeout", "1"]
 Doc = dict[str, Any]
 
@@ -155,7 +166,7 @@ async def test_a_finished_runs_entry_holds_its_last_progress(
     """The outcome write carries the run's last progress, on success and on failure: a run
     shorter than the ping interval shows its final step, and a run whose renewals carried
     an earlier step shows the final one, not the last renewal's."""
-    steps = [
+    steps: list[TaskSpec] = [
         {"name": "progress_steps", "key": "short", "params": {"steps": 32}},
         {"name": "progress_steps", "key": "failed", "params": {"steps": 3, "fail": True}},
         {"name": "progress_steps", "key": "long", "params": {"steps": 32, "pause": 1.5}, **PING},
@@ -198,7 +209,7 @@ async def test_cancel_stops_a_running_handler_and_nobody_claims_it_again(
     print(f"handler cancelled {latency:.2f}s after `taskrunner cancel` began (ping_interval 0.5s)")
     assert shown.exit_code == 0 and "50% halfway" in shown.stdout
     assert canceled.exit_code == 0 and canceled.stdout.strip() == "long: CANCELED"
-    assert mark["ctx_cancelled"] is True and latency <= PING["ping_interval"] + 1.0
+    assert mark["ctx_cancelled"] is True and latency <= PING_INTERVAL + 1.0
     assert stop["reason"] == "task canceled" and owner.find("claim released", key="long")
     assert task.state is TaskState.CANCELED and task.workers == [] and task.attempts == 1
     assert len(claims) == 1 and len(starts) == 1

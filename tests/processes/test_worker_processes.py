@@ -19,7 +19,7 @@ import pytest
 from pymongo import AsyncMongoClient
 from workers import ChangeRecorder, WorkerPool, finished, wait_exit
 
-from taskrunner import EntryState, NewTask, TaskRunner, TaskState, WorkerEntry
+from taskrunner import EntryState, NewTask, TaskOptionsDict, TaskRunner, TaskState, WorkerEntry
 from taskrunner.store import rules
 from taskrunner.testing import wait_for
 
@@ -65,7 +65,7 @@ async def running_entry(runner: TaskRunner, key: str, *, not_worker: str | None 
 
 
 PING_TIMEOUT = 2.0
-LEASE: dict[str, Any] = {"ping_interval": 0.5, "ping_timeout": PING_TIMEOUT}
+LEASE: TaskOptionsDict = {"ping_interval": 0.5, "ping_timeout": PING_TIMEOUT}
 
 
 async def test_killed_worker_is_taken_over_once_its_lease_expires(

@@ -109,7 +109,7 @@ async def test_invalid_params_name_every_bad_field(runner: TaskRunner) -> None:
     assert [f for f, _ in batch.value.problems] == ["tasks[1].params.width", "tasks[1].params.height"]
     assert str(batch.value).count("tasks[1].params.") == 2
     with pytest.raises(InvalidTask) as options:
-        await runner.publish("resize", {"width": 1}, nope=1, bogus=2)
+        await runner.publish("resize", {"width": 1}, nope=1, bogus=2)  # type: ignore[call-arg]  # as an untyped caller
     assert [f for f, _ in options.value.problems] == ["options.bogus", "options.nope"]
     assert await runner.store.count() == 0
 
@@ -161,7 +161,7 @@ def test_registering_bad_handler_options_fails_at_import_time() -> None:
     """A handler declared with an unknown or invalid option fails when decorated."""
     runner = TaskRunner(store=MemoryStore())
     with pytest.raises(InvalidTask, match=r"options\.nope"):
-        runner.task("x", nope=1)(lambda params: None)
+        runner.task("x", nope=1)(lambda params: None)  # type: ignore[call-arg]  # as an untyped caller
     with pytest.raises(InvalidTask, match=r"options\.concurrency"):
         runner.task("y", concurrency=-1)(lambda params: None)
 

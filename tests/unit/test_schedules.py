@@ -149,7 +149,7 @@ def test_params_and_options_are_checked_at_declaration() -> None:
     with pytest.raises(InvalidTask, match=r"params\.day"):
         app().schedule("report", every=60, params={"day": "monday"})
     with pytest.raises(InvalidTask, match=r"options\.bogus"):
-        app().schedule("report", every=60, params={"day": 1}, bogus=1)
+        app().schedule("report", every=60, params={"day": 1}, bogus=1)  # type: ignore[call-arg]  # untyped caller
 
 
 def test_jitter_is_the_same_for_every_worker() -> None:
