@@ -14,7 +14,7 @@
     ├── MalformedTask                   a stored document taskrunner cannot read
     ├── ClaimLost                       a write's run_id no longer owns its entry
     ├── RunnerClosed (RuntimeError)     a SyncTaskRunner used after close()
-    ├── ConfigurationError              bad URI, settings or app reference
+    ├── ConfigurationError              bad worker options, app reference, or an app without handlers
     │   └── ServerTooOld                MongoDB older than taskrunner needs; names both versions
     └── StoreError                      the database failed the operation
         ├── StoreUnavailable            unreachable or timed out; retryable
@@ -40,13 +40,26 @@ from collections.abc import Sequence
 
 
 class TaskRunnerError(Exception):
-    """Base class of every error taskrunner raises."""
+    """Base class of every error taskrunner raises (``Fail``, ``Retry`` and
+    ``NoLiveWorkerWarning`` are not errors of taskrunner's, so they are not under it).
+
+    Catch it to handle whatever taskrunner refused or could not do; a handler's own
+    exceptions never arrive as one (they end the run, recorded in ``task.errors``)."""
 
 
 class InvalidTask(TaskRunnerError, ValueError):
     """A task cannot be published as given. ``problems`` lists every offending part as
     (dotted field path, message), so one call reports all that must change; ``field`` and
-    ``message`` are the first of them."""
+    ``message`` are the first of them. Nothing was written.
+
+    Raised by ``publish``, ``publish_many`` (paths under ``tasks[i]``), ``new_task`` and
+    ``Flow.publish`` for a bad field or option, an unknown option name, a key twice in one
+    batch, params too large to store; by ``@runner.task`` for unknown option names or bad
+    limits; by ``Flow`` and ``Flow.add`` for a bad flow id or a step key used twice; by
+    ``set_limits``, ``pause`` and ``limits`` for a bad name (``"*"`` for limits) or a
+    stored limits document that no longer reads; by ``failed`` for ``limit`` < 1 or a bad
+    ``after``; by ``purge`` for an unfinished state. Also a ``ValueError``.
+    What to do: fix the call as ``problems`` says; retrying it unchanged fails again."""
 
     def __init__(self, field: str, message: str, *, more: Sequence[tuple[str, str]] = ()) -> None:
         self.field = field
@@ -65,14 +78,22 @@ class InvalidTask(TaskRunnerError, ValueError):
 
 
 class InvalidParams(InvalidTask):
-    """The params do not validate against the handler's model."""
+    """The params do not validate against the handler's model (or, for a handler without
+    a model, are not an object).
+
+    Raised by ``publish``, ``publish_many``, ``runner.schedule`` and ``Flow.publish`` when
+    this runner has the handler; a worker that meets such params in a stored task (written
+    by another app) ends it FAIL with ``fatal`` and this error, without calling the
+    handler. What to do: send params the model accepts (``problems`` names each field)."""
 
 
 class UnknownTaskName(InvalidTask, LookupError):
     """A task name no handler of this runner has (``name``; ``known`` are the registered
-    ones). ``publish`` raises it on a runner with handlers (likely a typo;
-    ``allow_unknown=True`` publishes it anyway, for workers of another app); a run of
-    such a name ends FAIL with it, since no other attempt can find a handler."""
+    ones). ``publish``, ``publish_many``, ``runner.schedule`` and ``Flow.publish`` raise it
+    on a runner with handlers (likely a typo; ``allow_unknown=True`` publishes it anyway,
+    for workers of another app; a runner without handlers publishes any name); a run of
+    such a name ends FAIL with it, since no other attempt can find a handler.
+    What to do: fix the name, or pass ``allow_unknown=True`` when another app runs it."""
 
     def __init__(self, name: str, known: list[str], *, hint: str = "") -> None:
         self.name, self.known = name, known
@@ -81,11 +102,22 @@ class UnknownTaskName(InvalidTask, LookupError):
 
 
 class InvalidSchedule(InvalidTask):
-    """A schedule cannot be declared as given (cron, every, timezone, catch_up, ...)."""
+    """A schedule cannot be declared as given (cron, every, timezone, catch_up, ...).
+
+    Raised by ``runner.schedule`` at declaration, naming the field: an invalid cron
+    expression, both or neither of ``cron`` and ``every``, ``every`` below 1 s, an id this
+    runner declared already, an unknown time zone or ``catch_up``; and by
+    ``pause_schedule``/``resume_schedule`` when the stored schedule no longer reads (edited
+    by hand). What to do: fix the declaration (or the stored document)."""
 
 
 class ScheduleNotFound(TaskRunnerError, LookupError):
-    """No stored schedule has that id; ``schedule_id`` names it."""
+    """No stored schedule has that id; ``schedule_id`` names it.
+
+    Raised by ``pause_schedule``, ``resume_schedule`` and ``trigger_schedule``. Schedules
+    are stored by the app's workers when they start, so a schedule declared in code but
+    never run by a worker is not stored yet. What to do: check the id
+    (``schedule_overview`` lists the stored ones), or start a worker of the app first."""
 
     def __init__(self, schedule_id: str) -> None:
         self.schedule_id = schedule_id
@@ -94,7 +126,11 @@ class ScheduleNotFound(TaskRunnerError, LookupError):
 
 class UnknownUpstream(InvalidTask, LookupError):
     """A key in ``after`` names no stored task and no task earlier in the same publish call
-    (``upstream`` names it, ``key`` the task that named it); nothing was published."""
+    (``upstream`` names it, ``key`` the task that named it); nothing was published.
+
+    Raised by ``publish``, ``publish_many`` and ``Flow.publish``. What to do: publish the
+    upstream first (or earlier in the same batch), or fix the key; an upstream purged
+    already cannot be waited for."""
 
     def __init__(self, key: str, upstream: str) -> None:
         self.key, self.upstream = key, upstream
@@ -106,7 +142,11 @@ class UnknownUpstream(InvalidTask, LookupError):
 
 
 class FlowNotFound(TaskRunnerError, LookupError):
-    """No task belongs to a flow of that id; ``flow`` names it."""
+    """No task belongs to a flow of that id; ``flow`` names it.
+
+    Raised by ``get_flow`` (and ``SyncTaskRunner.get_flow``); the dashboard answers 404.
+    What to do: check the id (a flow exists once ``Flow.publish`` stored its steps, and
+    until they are purged)."""
 
     def __init__(self, flow: str) -> None:
         self.flow = flow
@@ -114,7 +154,11 @@ class FlowNotFound(TaskRunnerError, LookupError):
 
 
 class TaskNotFound(TaskRunnerError, LookupError):
-    """No task has that key; ``key`` names it."""
+    """No task has that key; ``key`` names it.
+
+    Raised by ``get``, ``wait`` (and ``Task.wait``), ``cancel``, ``retry`` and
+    ``upstream`` for a key never published or purged since. What to do: check the key;
+    ``publish`` it if it should exist."""
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -122,7 +166,13 @@ class TaskNotFound(TaskRunnerError, LookupError):
 
 
 class InvalidState(TaskRunnerError):
-    """The task's state does not allow the operation."""
+    """The task's state does not allow the operation; ``key`` and ``state`` name the task
+    and its state.
+
+    Raised by ``cancel`` for a task already SUCCESS, FAIL or CANCELED, and by ``retry``
+    for a task that is not FAIL or CANCELED, or whose last run is still stopping on a
+    worker. What to do: read the task (``get``) and act on its state; a retry refused
+    because a run is stopping succeeds once it has stopped."""
 
     def __init__(self, key: str, state: str, operation: str, allowed: str, *, why: str = "") -> None:
         self.key, self.state = key, state
@@ -132,7 +182,12 @@ class InvalidState(TaskRunnerError):
 
 
 class WaitTimeout(TaskRunnerError, TimeoutError):
-    """``wait`` reached its timeout before the task finished."""
+    """``wait`` reached its timeout before the task finished; ``task`` holds the task as
+    last seen (still unfinished) and ``key`` its key.
+
+    Raised by ``wait`` and ``Task.wait`` (and their ``SyncTaskRunner``/``SyncTask`` forms)
+    given a ``timeout``. Also a ``TimeoutError``. The task goes on: waiting stopped, the
+    task did not. What to do: wait again, or ``cancel`` it if it should not run anymore."""
 
     def __init__(self, key: str, timeout: float, task: object) -> None:
         self.key, self.task = key, task
@@ -140,7 +195,14 @@ class WaitTimeout(TaskRunnerError, TimeoutError):
 
 
 class MalformedTask(TaskRunnerError):
-    """A stored document does not follow the task schema."""
+    """A stored document does not follow the task schema: ``field`` names the first field
+    that does not read, ``problem`` what is wrong, ``key`` the document's key (or id).
+
+    Raised by ``Task.from_document``. Reads never raise it: ``get``, ``list_tasks`` and
+    the rest return such a task with ``unreadable`` set, and a worker that claims one
+    ends it FAIL with ``fatal`` and an ``error`` of type ``MalformedTask``
+    (docs/schema.md, "Documents written by hand"). What to do: fix or delete the
+    document, then ``retry`` it."""
 
     def __init__(self, key: object, problem: str, *, field: str = "") -> None:
         self.key = key
@@ -161,7 +223,10 @@ class ClaimLost(TaskRunnerError):
 
 class RunnerClosed(TaskRunnerError, RuntimeError):
     """A ``SyncTaskRunner`` was used after ``close()`` (or its ``with`` block ended): its
-    connection and event loop are gone; make a new one with ``runner.sync()``."""
+    connection and event loop are gone. ``operation`` names the call.
+
+    Raised by every ``SyncTaskRunner`` method but ``close`` (which may be called again).
+    Also a ``RuntimeError``. What to do: make a new one with ``runner.sync()``."""
 
     def __init__(self, operation: str) -> None:
         self.operation = operation
@@ -171,13 +236,24 @@ class RunnerClosed(TaskRunnerError, RuntimeError):
 
 
 class ConfigurationError(TaskRunnerError):
-    """taskrunner was set up wrongly (URI, app reference, option)."""
+    """taskrunner was set up wrongly, before any task ran.
+
+    Raised by ``WorkerOptions``, ``Worker``, ``run_worker`` and ``taskrunner worker`` for
+    an option out of range or unknown (the message names it); by ``Worker.run`` (and
+    ``run_worker``) for an app without handlers; by the CLI's ``--app MODULE:OBJECT``
+    (``TASKRUNNER_APP``) when it does not import or is not a ``TaskRunner``. A MongoDB
+    URI that does not parse is a ``StoreError`` instead (it is the driver's to judge).
+    What to do: fix the setting the message names."""
 
 
 class ServerTooOld(ConfigurationError):
     """The MongoDB server is older than the oldest version taskrunner runs on (the start-up
     check of ``TaskRunner.init`` and of a worker); ``version`` is the server's, ``minimum``
-    the oldest supported (docs/compatibility.md)."""
+    the oldest supported (docs/compatibility.md).
+
+    Raised by ``init`` (``taskrunner init``) and when a worker starts (``Worker.run``,
+    ``run_worker``, ``taskrunner worker``); nothing was written. What to do: upgrade the
+    server."""
 
     def __init__(self, version: str, minimum: str, why: str) -> None:
         self.version, self.minimum = version, minimum
@@ -188,11 +264,24 @@ class ServerTooOld(ConfigurationError):
 
 
 class StoreError(TaskRunnerError):
-    """The database could not carry out an operation."""
+    """The database could not carry out an operation: the driver's error, mapped at the
+    store boundary (its message, credentials redacted).
+
+    Raised by any call that reaches MongoDB (``publish``, ``get``, ``wait``, ``init``,
+    ...): a command the server refused, a document that does not decode, a MongoDB URI
+    that does not parse (at the first call that connects). Its subclasses say more; the
+    worker handles them itself, so they reach your code only from the calls you make.
+    What to do: read the message; a ``StoreUnavailable`` may be retried as it is."""
 
 
 class StoreUnavailable(StoreError):
-    """The database could not be reached in time; the operation may be retried."""
+    """The database could not be reached in time (no server selected within the
+    runner's ``timeout``, a connection refused or dropped); the operation may be retried.
+
+    Raised by any call that reaches MongoDB. A publish that raised it may have landed:
+    publishing is idempotent by key, so publish again with the same key. Workers ride
+    outages out on their own (one log line when the server goes, one when it is back).
+    What to do: retry, with a backoff, once the server is back."""
 
 
 class ClaimUnconfirmed(StoreUnavailable):
@@ -206,7 +295,13 @@ class ClaimUnconfirmed(StoreUnavailable):
 
 
 class WriteRejected(StoreError):
-    """The database refused a write (validator, document too large, ...)."""
+    """The database refused a write: the collection's ``$jsonSchema`` validator
+    (``init(validator=True)``) rejected a document, or it is too large
+    (``DocumentTooLarge``).
+
+    Raised by the call that wrote (``publish``, ``cancel``, ``retry``, ...), most often
+    after a document was written by hand or by another version. What to do: fix the
+    document the message names; retrying the same write fails again."""
 
 
 class DocumentTooLarge(WriteRejected):
@@ -255,13 +350,14 @@ class ChangeStreamsUnsupported(StoreError):
 
 
 class NoLiveWorkerWarning(UserWarning):
-    """``pause``, ``limit`` or ``publish(worker_ids=...)`` named a task name no live worker
-    serves (``names``) or a worker id no live worker has (``worker_ids``), per the worker
-    registry. The call went ahead: a pause or a limit set ahead of a deploy, or a task
-    pinned to a worker about to start, is legitimate; otherwise it is likely a typo, and
-    the message suggests the nearest live name or id. Turn it into an error with
-    ``warnings.simplefilter("error", NoLiveWorkerWarning)``; the CLI prints it, and its
-    ``--force`` skips the check."""
+    """A warning, not an error: ``pause`` or ``set_limits`` named a task name no live
+    worker serves (``names``), or ``publish``/``publish_many`` pinned a task
+    (``worker_ids``) to ids no live worker has (``worker_ids``), per the worker registry.
+    The call went ahead: a pause or a limit set ahead of a deploy, or a task pinned to a
+    worker about to start, is legitimate; otherwise it is likely a typo, and the message
+    suggests the nearest live name or id. Turn it into an error with
+    ``warnings.simplefilter("error", NoLiveWorkerWarning)``; ``force=True`` (the CLI's
+    ``--force``) skips the check of ``pause`` and ``set_limits``, and the CLI prints it."""
 
     def __init__(self, message: str, *, names: list[str], worker_ids: list[str]) -> None:
         self.names, self.worker_ids = names, worker_ids
@@ -270,13 +366,15 @@ class NoLiveWorkerWarning(UserWarning):
 
 class Fail(Exception):
     """Raise inside a handler to end the task as FAIL now: no local retry, no later
-    attempt, whatever failure budget is left (the task gets ``fatal: true``)."""
+    attempt, whatever failure budget is left (the task gets ``fatal: true``). taskrunner
+    never raises it to you; its message is the run's error (``task.errors``)."""
 
 
 class Retry(Exception):
     """Raise inside a handler to run the task again ``delay`` seconds from now (server
     time) without counting a failure (Oban's snooze). ``ctx.snooze(seconds)`` raises it.
-    ``delay`` None waits what the task's backoff would after its next failure."""
+    ``delay`` None waits what the task's backoff would after its next failure.
+    Constructing it with a ``delay`` outside 0..366 days raises ``ValueError``."""
 
     def __init__(self, delay: float | None = None, reason: str = "") -> None:
         if delay is not None and not 0 <= delay <= 366 * 86_400:

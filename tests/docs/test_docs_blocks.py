@@ -47,7 +47,9 @@ from mongosh import mongosh_path
 from workers import dev_server
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = ROOT / "docs"
+# The guides and, under docs/reference/, the API reference pages (named "reference/x.md").
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 FENCE = re.compile(r"^\s*```(?P<lang>[\w-]*)")
 DIRECTIVE = re.compile(r"<!--\s*run:\s*(?P<mode>[\w-]+)(?P<rest>.*?)\s*-->")
 SHELLS = {"sh", "bash", "shell"}
@@ -86,6 +88,12 @@ class Block:
         return self.lang == "python" or self.lang in SHELLS or self.lang == "console"
 
 
+def page_name(path: Path) -> str:
+    """A docs page by its path under docs/ (``reference/testing.md`` is not ``testing.md``);
+    any other file by its name."""
+    return str(path.relative_to(DOCS)) if path.is_relative_to(DOCS) else path.name
+
+
 def parse_page(path: Path) -> tuple[list[Block], list[str]]:
     """A page's fenced blocks and every breach of the convention."""
     lines = path.read_text().splitlines()
@@ -100,7 +108,7 @@ def parse_page(path: Path) -> tuple[list[Block], list[str]]:
         end = next((i for i in range(index + 1, len(lines)) if FENCE.match(lines[i])), len(lines))
         before = lines[index - 1].strip() if index else ""
         block, problem = _block(
-            path.name, index + 1, opening["lang"], "\n".join(lines[index + 1 : end]), before
+            page_name(path), index + 1, opening["lang"], "\n".join(lines[index + 1 : end]), before
         )
         blocks.append(block)
         if problem:
@@ -309,7 +317,7 @@ def run_page(blocks: list[Block], scratch: Path, uri: str) -> str | None:
     return None
 
 
-PARSED = {page.name: parse_page(page) for page in PAGES}
+PARSED = {page_name(page): parse_page(page) for page in PAGES}
 
 
 def test_every_block_runs_or_says_why_not() -> None:
