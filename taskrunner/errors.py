@@ -6,9 +6,11 @@
     ├── InvalidTask (ValueError)        bad input on publish; names every bad field
     │   ├── InvalidParams               params fail the handler's model
     │   ├── UnknownTaskName (LookupError) no handler has that name (publish, or a run: FAIL)
+    │   ├── UnknownUpstream (LookupError) a key in ``after`` names no task
     │   └── InvalidSchedule             a bad schedule declaration; names the field
     ├── TaskNotFound (LookupError)      no task with that key
     ├── ScheduleNotFound (LookupError)  no schedule with that id
+    ├── FlowNotFound (LookupError)      no task of a flow with that id
     ├── InvalidState                    the task's state does not allow that (e.g. retry a SUCCESS)
     ├── WaitTimeout (TimeoutError)      wait() gave up; ``task`` holds the last state seen
     ├── MalformedTask                   a stored document taskrunner cannot read
@@ -169,9 +171,9 @@ class InvalidState(TaskRunnerError):
     """The task's state does not allow the operation; ``key`` and ``state`` name the task
     and its state.
 
-    Raised by ``cancel`` for a task already SUCCESS, FAIL or CANCELED, and by ``retry``
-    for a task that is not FAIL or CANCELED, or whose last run is still stopping on a
-    worker. What to do: read the task (``get``) and act on its state; a retry refused
+    Raised by ``cancel`` for a task already SUCCESS or FAIL (canceling twice is
+    harmless), and by ``retry`` for a task that is not FAIL or CANCELED, or whose last run
+    is still stopping on a worker. What to do: read the task (``get``) and act on its state; a retry refused
     because a run is stopping succeeds once it has stopped."""
 
     def __init__(self, key: str, state: str, operation: str, allowed: str, *, why: str = "") -> None:
