@@ -28,7 +28,12 @@ ENVIRONMENT_PAGE = REFERENCE / "environment.md"
 # A name rendered by mkdocstrings: `::: taskrunner.TaskRunner` on a line of its own.
 DIRECTIVE = re.compile(r"^::: ([\w.]+)\s*$", re.M)
 VARIABLE = re.compile(r"^TASKRUNNER_[A-Z0-9_]+$")
-OTEL_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED")
+OTEL_VARIABLES = (
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_SERVICE_NAME",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_SDK_DISABLED",
+)
 
 
 def rendered(pages: list[Path] | None = None) -> Counter[str]:
@@ -105,8 +110,16 @@ def row_problems(text: str, variable: str, commands: set[str]) -> list[str]:
     if "every command but" in readers:
         excluded = set(re.findall(r"`([\w -]+)`", readers.split("every command but", 1)[1].split(";")[0]))
         claimed = top_level_commands() - excluded
-        return [] if commands == claimed else [f"{variable}: read by {sorted(commands)}, row says {sorted(claimed)}"]
-    return [f"{variable}: row does not name `{command}`" for command in sorted(commands) if f"`{command}`" not in readers]
+        return (
+            []
+            if commands == claimed
+            else [f"{variable}: read by {sorted(commands)}, row says {sorted(claimed)}"]
+        )
+    return [
+        f"{variable}: row does not name `{command}`"
+        for command in sorted(commands)
+        if f"`{command}`" not in readers
+    ]
 
 
 def test_every_public_name_is_rendered_once() -> None:
@@ -153,7 +166,11 @@ def test_every_exception_is_on_the_errors_page() -> None:
 def test_the_errors_page_says_what_the_helpers_raise() -> None:
     """The exceptions taskrunner.testing and the dashboard raise have a row on the errors page."""
     text = ERRORS_PAGE.read_text()
-    for raiser in ("`taskrunner.testing.wait_for`", "`embedded_uri`", "`taskrunner.dashboard.serve_dashboard`"):
+    for raiser in (
+        "`taskrunner.testing.wait_for`",
+        "`embedded_uri`",
+        "`taskrunner.dashboard.serve_dashboard`",
+    ):
         first_cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| ")]
         assert any(raiser in cell for cell in first_cells), raiser
 
