@@ -54,9 +54,9 @@ class InvalidTask(TaskRunnerError, ValueError):
     (dotted field path, message), so one call reports all that must change; ``field`` and
     ``message`` are the first of them. Nothing was written.
 
-    Raised by ``publish``, ``publish_many`` (paths under ``tasks[i]``), ``new_task`` and
-    ``Flow.publish`` for a bad field or option, an unknown option name, a key twice in one
-    batch, params too large to store; by ``@runner.task`` for unknown option names or bad
+    Raised by ``publish``, ``publish_many`` and ``publish_specs`` (paths under
+    ``tasks[i]``), ``new_task`` and ``Flow.publish`` for a bad field or option, an unknown
+    option name, a key twice in one batch, params too large to store; by ``@runner.task`` for unknown option names or bad
     limits; by ``Flow`` and ``Flow.add`` for a bad flow id or a step key used twice; by
     ``set_limits``, ``pause`` and ``limits`` for a bad name (``"*"`` for limits) or a
     stored limits document that no longer reads; by ``failed`` for ``limit`` < 1 or a bad
