@@ -227,8 +227,9 @@ class RunnerClosed(TaskRunnerError, RuntimeError):
     """A ``SyncTaskRunner`` was used after ``close()`` (or its ``with`` block ended): its
     connection and event loop are gone. ``operation`` names the call.
 
-    Raised by every ``SyncTaskRunner`` method but ``close`` (which may be called again).
-    Also a ``RuntimeError``. What to do: make a new one with ``runner.sync()``."""
+    Raised by the ``SyncTaskRunner`` calls that reach the database (``publish``,
+    ``publish_many``, ``get``, ``init``, ``wait``, ``cancel``, ``retry``, ``publish_flow``,
+    ``get_flow``) and a ``SyncTask``'s ``wait``; ``close`` may be called again. Also a ``RuntimeError``. What to do: make a new one with ``runner.sync()``."""
 
     def __init__(self, operation: str) -> None:
         self.operation = operation
