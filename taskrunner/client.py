@@ -48,6 +48,7 @@ from taskrunner.models import (
     WorkerInfo,
     invalid_task,
 )
+from taskrunner.observability import tracing
 from taskrunner.observability.logs import get_logger
 from taskrunner.options import TaskOptionsDict, TaskSpec
 from taskrunner.schedules.model import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
@@ -229,7 +230,7 @@ class TaskClient:
         if isinstance(stored, Unreadable):
             raise InvalidSchedule(schedule_id, f"the stored schedule is unreadable: {stored}")
         now = await self.store.server_time()
-        [published] = await self.store.publish([stored.triggered(now)])
+        [published] = await tracing.publish([stored.triggered(now)], self.store.publish, schedule=schedule_id)
         return published.bound(self)
 
     async def publish(
@@ -315,6 +316,7 @@ class TaskClient:
         published = await self._publish(new, update_pending, republish_finished)
         return [task.bound(self) for task in published]
 
+    @tracing.publishes
     async def _publish(
         self, new: list[NewTask], update_pending: bool, republish_finished: bool
     ) -> list[Task]:
@@ -430,7 +432,7 @@ class TaskClient:
         """Make a FAIL or CANCELED task claimable again with a fresh failure budget. Tasks
         canceled because it failed wait for it again (re-armed); a task that runs after
         others waits for them again (WAITING)."""
-        task = await self.store.retry(key)
+        task = await tracing.retried(key, self.store.retry)
         if task.dependents or task.after:
             await self._follow_up([key])
             task = await self.store.get(key)

@@ -106,6 +106,16 @@ def _bucket(value: Any) -> int | None:
 
 Bucket = Annotated[int | None, BeforeValidator(_bucket)]
 
+
+def _carrier(value: Any) -> dict[str, str] | None:
+    # Only tracing: a hand-written or foreign trace context never makes a document unreadable.
+    ok = isinstance(value, dict) and value and all(isinstance(v, str) for v in value.values())
+    return {str(k): v for k, v in value.items()} if ok else None
+
+
+TraceCarrier = Annotated[dict[str, str] | None, BeforeValidator(_carrier)]
+"""A task's ``trace`` field: the publishing span's propagated context (``fields.TRACE``)."""
+
 DAY = 86_400.0
 MAX_KEY_LENGTH = 512
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
@@ -248,6 +258,8 @@ class NewTask(BaseModel):
     compensates: str | None = None
     dependents: bool = False
     """Set by publishing when a later task of the same call runs after this one."""
+    trace: dict[str, str] | None = None
+    """The publishing span's context (``fields.TRACE``), set by publishing with tracing on."""
 
     @model_validator(mode="after")
     def _valid_after(self) -> Self:
@@ -540,6 +552,9 @@ class StoredTask(BaseModel):
     """The task that undoes this step if its flow fails."""
     compensates: str | None = None
     """On a compensation: the key of the step it undoes."""
+    trace: TraceCarrier = None
+    """The context of the span that published (or retried) it, the parent of its runs'
+    spans (docs/observability.md); None without tracing, or when it does not read."""
     created: bool = Field(False, exclude=True)
     """True when the publish call that returned this task inserted it."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -145,6 +146,7 @@ def worker(
         configure_logging(log_format.value, log_level)
     except ValueError as exc:
         fail(str(exc))
+    end_tracing = _configure_tracing()
     runner, counter = count_roundtrips(connection.runner(app_ref))
     observer = None if metrics_port is None else _metrics_observer(metrics_port, metrics_host, runner)
     try:
@@ -167,6 +169,26 @@ def worker(
     finally:
         if counter is not None:
             _log_roundtrips(process.worker_id, counter)
+        if end_tracing is not None:
+            end_tracing()  # exports the spans still buffered
+
+
+def _configure_tracing() -> Callable[[], None] | None:
+    """The OpenTelemetry SDK from the OTEL_* variables, when they ask for it and the otel
+    extra is installed (docs/observability.md); returns what flushes it at exit."""
+    import os
+
+    from taskrunner.observability.logs import get_logger
+    from taskrunner.observability.tracing import configure_sdk
+
+    try:
+        end = configure_sdk()
+    except Exception as exc:  # an exporter that cannot load: say so and run untraced
+        get_logger("taskrunner.tracing").error("could not configure OpenTelemetry tracing", error=str(exc))
+        return None
+    if end is not None:
+        get_logger("taskrunner.tracing").info("tracing on", exporter=os.environ.get("OTEL_TRACES_EXPORTER"))
+    return end
 
 
 def _make_worker(runner: TaskRunner, observer: WorkerObserver | None, **options: Any) -> Worker:

@@ -11,6 +11,7 @@ same), and a run stopped for shutdown releases its claim without spending budget
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import enum
 import time
@@ -28,6 +29,7 @@ from taskrunner.client import TaskClient
 from taskrunner.context import TaskContext
 from taskrunner.engine.heartbeat import Heartbeat, RunLease
 from taskrunner.engine.observe import NullObserver, WorkerObserver
+from taskrunner.engine.observe import Outcome as RunOutcome
 from taskrunner.engine.retries import delay as retry_delay
 from taskrunner.engine.writes import RunWrites
 from taskrunner.errors import (
@@ -44,6 +46,7 @@ from taskrunner.errors import (
 )
 from taskrunner.handlers import Handlers, Registration
 from taskrunner.models import Task, TaskError
+from taskrunner.observability import tracing
 from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
 from taskrunner.store import sizes
@@ -83,6 +86,11 @@ class Outcome:
     """``RateLimited``: hold back the task's name (or limit_by value) for ``snooze`` seconds."""
     unfit: bool = False
     """Recorded in place of an outcome the server refused as too large (``too_large``)."""
+
+
+Ended = Callable[[str, Callable[[], None] | None], None]
+"""Told ``(key, done)`` when a run's outcome may have ended a task others wait on: its
+follow-up is due; ``done``, if given, is called once the follow-up is done."""
 
 
 class UnstorableResult(TaskRunnerError):
@@ -147,8 +155,9 @@ class Execution:
         throttle: Callable[[Task, float], Awaitable[None]] | None = None,
         holds_slot: Callable[[str], Awaitable[bool]] | None = None,
         runner: TaskClient | None = None,
-        ended: Callable[[str], None] | None = None,
+        ended: Ended | None = None,
         upstreams: Upstreams | None = None,
+        clock_offset: float = 0.0,
     ) -> None:
         """``writes`` and ``heartbeat`` are the worker's shared ones (one round trip
         for many runs); a lone run gets its own. ``throttle`` holds back the task's name
@@ -157,10 +166,14 @@ class Execution:
         ``runner`` is the handler's ``ctx.runner`` (the worker's); a lone run gets one
         on ``store`` with ``handlers``. ``ended(key)`` is told when an outcome that may
         have ended a task others wait on was written (their follow-up is due). ``upstreams``
-        reads ``ctx.upstream`` (the worker's, keeping succeeded upstreams)."""
+        reads ``ctx.upstream`` (the worker's, keeping succeeded upstreams). ``clock_offset``:
+        seconds the server's clock is ahead of this machine's (the worker's ``Clock``), so the
+        run's span starts at the claim's server time on this machine's clock."""
         self.throttle, self.holds_slot, self.ended = throttle, holds_slot, ended
         self.upstreams = upstreams if upstreams is not None else Upstreams(store)
         self.observer: WorkerObserver = observer or NullObserver()
+        self._owes_follow_up = False
+        self._span: tracing.RunSpan | None = None
         self.started = time.monotonic()  # conservative start of the lease: the claim was sent before
         self.writes = RunWrites(store) if writes is None else writes
         self.heartbeat = Heartbeat(self.writes, worker_id) if heartbeat is None else heartbeat
@@ -175,6 +188,11 @@ class Execution:
         self.stopped: Stop | None = None
         self.ctx: TaskContext | None = None
         self._handler: asyncio.Task[Outcome] | None = None
+        self.clock_offset = clock_offset
+        self.outcome: RunOutcome | None = None
+        """How the run ended, as ``WorkerObserver.finished`` hears it (``success``, ...)."""
+        self.raised: BaseException | None = None
+        """What the handler (or the params' validation) raised, for a failed run."""
 
     def stop(self, reason: Stop) -> None:
         if self.stopped is None:
@@ -185,13 +203,29 @@ class Execution:
             self._handler.cancel()
 
     async def run(self) -> None:
+        """Run the claim to its end, inside its span when tracing is on (docs/observability.md)."""
+        started_ns = int((self.claim.entry.claimed_at.timestamp() - self.clock_offset) * 1e9)
+        span = self._span = tracing.run_span(self.claim, self.worker_id, started_ns)
+        if span is None:
+            await self._run()
+            return
+        try:
+            with span.current():  # the handler's task, created inside, inherits the span
+                await self._run()
+        except BaseException as exc:
+            span.end(self.outcome, None if isinstance(exc, asyncio.CancelledError) else exc)
+            raise
+        if not self._follow_up_ends(span):
+            span.end(self.outcome, self.raised)
+
+    async def _run(self) -> None:
         self.log.info("run started", attempt=self.claim.entry.attempt)
         try:
             registration, params = self._prepare()
         except (UnknownTaskName, InvalidParams) as exc:
             # Params the handler's model rejects fail the same way on every attempt.
             await self._write(Outcome(error=self._error(exc), final=isinstance(exc, InvalidParams)))
-            self.observer.finished(self.task, "failure", 0.0)
+            self._finished("failure", 0.0)
             return
         attempt = self.claim.entry.attempt
         try:
@@ -243,19 +277,34 @@ class Execution:
             if outcome.throttle and self.throttle is not None:
                 await self.throttle(self.task, outcome.snooze)
             await self._snooze(outcome.snooze)
-            self.observer.finished(self.task, "snoozed", seconds)
+            self._finished("snoozed", seconds)
         elif outcome is not None:
             await self._write(outcome)
-            self.observer.finished(self.task, "success" if outcome.error is None else "failure", seconds)
-            if self.ended is not None and self.task.dependents and self._may_end(outcome):
-                self.ended(self.key)
+            self._finished("success" if outcome.error is None else "failure", seconds)
+            self._owes_follow_up = self.task.dependents and self._may_end(outcome)
         elif self.stopped in RELEASING:
             await self._release()
-            self.observer.finished(self.task, "released", seconds)
+            self._finished("released", seconds)
         else:
             reason = self.stopped and self.stopped.value
             self.log.warning("run abandoned: another worker may own it", reason=reason)
-            self.observer.finished(self.task, "lost", seconds)
+            self._finished("lost", seconds)
+        if self._owes_follow_up and self.ended is not None and self._span is None:
+            self.ended(self.key, None)
+
+    def _finished(self, outcome: RunOutcome, seconds: float) -> None:
+        self.outcome = outcome
+        self.observer.finished(self.task, outcome, seconds)
+
+    def _follow_up_ends(self, span: tracing.RunSpan) -> bool:
+        """A run whose outcome may have ended a task others wait on owes a follow-up (done
+        by the worker's ``Follower`` at once): the span ends once it is done, so that the
+        releases it makes sit inside it. False when nothing is owed (end the span now)."""
+        if not self._owes_follow_up or self.ended is None:
+            return False
+        outcome, raised = self.outcome, self.raised
+        self.ended(self.key, lambda: span.end(outcome, raised))
+        return True
 
     def _may_end(self, outcome: Outcome) -> bool:
         """Whether ``outcome`` may have ended the task (a failure with budget left does not)."""
@@ -285,6 +334,7 @@ class Execution:
         raise AssertionError("unreachable")
 
     def _error(self, exc: BaseException) -> TaskError:
+        self.raised = exc
         return error_of(exc, self.budget.error)
 
     async def _call(self, registration: Registration, ctx: TaskContext) -> Any:
@@ -302,7 +352,9 @@ class Execution:
                 if registration.is_async:
                     return await registration.handler(*args)
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self.executor, lambda: registration.handler(*args))
+                # In the run's context (its span current), as asyncio.to_thread does.
+                call = contextvars.copy_context().run
+                return await loop.run_in_executor(self.executor, lambda: call(registration.handler, *args))
         except TimeoutError:
             if not bound.expired():
                 raise  # the handler's own TimeoutError

@@ -872,6 +872,7 @@ class Worker:
             runner=self.runner,
             ended=self.follower.owed,
             upstreams=self.upstreams,
+            clock_offset=self.clock.offset,
         )
         task = asyncio.create_task(execution.run(), name=f"run:{claim.task.key}")
         self.runs[claim.run_id] = (execution, task)

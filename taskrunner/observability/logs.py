@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ def configure_logging(fmt: LogFormat = DEFAULT_FORMAT, level: str = DEFAULT_LEVE
     event) or ``json`` (one JSON object per line, for log stores), at ``level`` (debug, info,
     warning or error) and above, on stderr, with ISO 8601 UTC timestamps.
 
-    Events carry ``worker_id``, ``key`` and ``run_id`` where they apply (docs/worker.md).
+    Events carry ``worker_id``, ``key`` and ``run_id`` where they apply (docs/worker.md), and
+    ``trace_id`` and ``span_id`` inside a recording span (docs/observability.md).
     Without this call (or a ``structlog.configure`` of your own) taskrunner logs with the
     defaults: console lines, info and above.
     """
@@ -105,9 +107,23 @@ def _processors(fmt: LogFormat) -> list[Processor]:
     return [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_trace_context,
         structlog.processors.format_exc_info,
         renderer,
     ]
+
+
+def add_trace_context(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A structlog processor: ``trace_id`` and ``span_id`` (hex, as trace viewers show them)
+    of the current span, when one is current and recording (docs/observability.md). Add it
+    to a ``structlog.configure`` of your own to keep them."""
+    from taskrunner.observability.tracing import current_ids
+
+    ids = current_ids()
+    if ids is not None:
+        event.setdefault("trace_id", ids[0])
+        event.setdefault("span_id", ids[1])
+    return event
 
 
 def _stderr_logger(*_: Any) -> Any:

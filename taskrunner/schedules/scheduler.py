@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from taskrunner.errors import StoreError
 from taskrunner.models import Unreadable
+from taskrunner.observability import tracing
 from taskrunner.observability.logs import get_logger
 from taskrunner.observability.redact import redact
 from taskrunner.schedules.recurrence import (
@@ -95,7 +96,7 @@ class Scheduler:
         )
         if ticks:
             tasks = [schedule.task(tick) for tick in ticks]
-            published = await self.store.publish(tasks)
+            published = await tracing.publish(tasks, self.store.publish, schedule=schedule.id)
             fired = ticks[-1]
             recorded = await self.store.record_tick(
                 schedule.id, state.last_tick, fired, tasks[-1].key, recurrence.after(now)

@@ -381,10 +381,11 @@ class TaskStore(Protocol):
     async def cancel(self, key: str) -> Task:
         """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
 
-    async def retry(self, key: str) -> Task:
+    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
         """Make a FAIL or CANCELED task claimable again with a fresh failure budget;
         ``InvalidState`` for other states and while a run still holds a live lease (a
-        cancel still pending). A document marked unreadable goes back to ``normalize``."""
+        cancel still pending). A document marked unreadable goes back to ``normalize``.
+        ``trace``, when given, becomes the task's ``trace`` (the retrying span's context)."""
 
     async def purge(self, states: Sequence[TaskState], older_than: float, *, dry_run: bool = False) -> int:
         """Delete (or count) tasks in ``states`` that finished more than ``older_than`` s ago."""

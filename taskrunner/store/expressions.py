@@ -720,7 +720,7 @@ def trim_failed_runs() -> Expr:
     return {"$set": {f.WORKERS: {"$cond": [readable, counted, f.ref(f.WORKERS)]}}}
 
 
-def retry(now: Expr = NOW) -> list[Expr]:
+def retry(now: Expr = NOW, trace: Mapping[str, str] | None = None) -> list[Expr]:
     """``rules.retry``; the filter limits it to FAIL and CANCELED tasks."""
     unreadable = [_not(_is_number(f.opt(f.CONCURRENCY))), _not(_is_number(f.opt(f.MAX_FAILURES)))]
     reason = {"$ifNull": [f.ref(f"{f.ERROR}.{f.ERROR_TYPE}"), None]}
@@ -753,6 +753,7 @@ def retry(now: Expr = NOW) -> list[Expr]:
         *summarize(now),
         {"$set": again},
         {"$unset": ["_tr_recheck"]},
+        *([{"$set": {f.TRACE: {"$literal": dict(trace)}}}] if trace else []),
     ]
 
 

@@ -19,6 +19,7 @@ A task document (collection ``taskrunner.tasks`` by default)::
       finished_at,     # when the task reached SUCCESS, FAIL or CANCELED (TTL retention)
       publish_id,      # id of the publish call that wrote this version
       bucket,          # 0..BUCKETS-1, a hash of the key: whose stream hears the insert
+      trace,           # {traceparent, tracestate}: the publishing span (tracing on only)
       # only on tasks of workflows (docs/workflows.md):
       after, waiting_on, on_upstream_failure, canceled_by,   # a dependent's upstreams
       dependents, notify, link,                             # follow-ups owed (see below)
@@ -55,6 +56,10 @@ PUBLISH_ID: Final = "publish_id"
 FATAL: Final = "fatal"
 SNOOZES: Final = "snoozes"
 BUCKET: Final = "bucket"
+TRACE: Final = "trace"
+"""The W3C trace context of the span that published the task (or retried it), as the
+OpenTelemetry propagator writes it: ``{traceparent, tracestate}``; only with tracing on
+(docs/observability.md). Each run's span is its child. One that does not read is ignored."""
 UNDECODABLE: Final = "\0undecodable"
 """Never stored: the store sets it on a document read back that did not decode as BSON,
 with the reason, so that the document reads as a malformed task."""

@@ -534,14 +534,14 @@ class MemoryStore:
         self._emit("update", doc)
         return self._task(doc)
 
-    async def retry(self, key: str) -> Task:
+    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
         now = self._clock()
         if not rules.retryable(doc, now):
             raise rules.retry_refused(key, str(doc.get(f.STATE)), rules.still_running(doc, now))
-        rules.retry(doc, now)
+        rules.retry(doc, now, trace)
         self._emit("update", doc)
         return self._task(doc)
 

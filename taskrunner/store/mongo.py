@@ -709,11 +709,11 @@ class MongoStore:
             raise InvalidState(key, finished.state.value, "cancel", "WAITING, PENDING or RUNNING")
         return self._task(doc)
 
-    async def retry(self, key: str) -> Task:
+    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    x.retryable(key), x.retry(), return_document=ReturnDocument.AFTER
+                    x.retryable(key), x.retry(trace=trace), return_document=ReturnDocument.AFTER
                 )
             )
         if doc is None:

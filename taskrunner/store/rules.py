@@ -422,6 +422,8 @@ def new_document(task: NewTask, publish_id: str) -> Doc:
         f.PUBLISH_ID: publish_id,
         f.BUCKET: bucket_of(task.key),
     }
+    if task.trace:
+        doc[f.TRACE] = task.trace
     workflow = workflow_fields(task)
     if workflow.get(f.STATE) == WAITING:
         del doc[f.CLAIMABLE_AT]
@@ -845,13 +847,16 @@ def trim_failed_runs(doc: Doc) -> None:
     doc[f.WORKERS] = kept
 
 
-def retry(doc: Doc, now: datetime) -> None:
+def retry(doc: Doc, now: datetime, trace: Mapping[str, str] | None = None) -> None:
     """A FAIL or CANCELED task gets a fresh failure budget; its entries stay as history,
     the FAIL ones up to ``kept_failed_runs`` (the most recent).
 
     A document marked unreadable (or whose counters do not read) is left without a
-    ``claimable_at`` instead: the next sweep normalizes it again, or marks it again."""
+    ``claimable_at`` instead: the next sweep normalizes it again, or marks it again.
+    ``trace`` (the retrying span's context) replaces the task's, when given."""
     trim_failed_runs(doc)
+    if trace:
+        doc[f.TRACE] = dict(trace)
     numbers = (_num(option(doc, f.CONCURRENCY)), _num(option(doc, f.MAX_FAILURES)))
     recheck = _own_error(doc.get(f.ERROR)) or None in numbers
     doc.update({f.STATE: TaskState.PENDING.value, f.FAILURES: 0, f.RUN_AT: now})

@@ -31,15 +31,24 @@ class Follower:
         gives the seconds between sweeps after one that found work and after one that did not."""
         self.store, self.publish, self.interval = store, publish, interval
         self._owed: set[str] = set()
+        self._done: dict[str, list[Callable[[], None]]] = {}
         self._busy = False
         self._sweep_now = False
         self._wake = asyncio.Event()
         self._outage = Outage(log, "workflow follow-ups failed; retrying", "workflow follow-ups recovered")
 
-    def owed(self, key: str) -> None:
-        """The run of ``key`` wrote an outcome that may have ended it: follow up now."""
+    def owed(self, key: str, done: Callable[[], None] | None = None) -> None:
+        """The run of ``key`` wrote an outcome that may have ended it: follow up now, then
+        call ``done`` (the run's span ends then: the releases sit inside it)."""
         self._owed.add(key)
+        if done is not None:
+            self._done.setdefault(key, []).append(done)
         self._wake.set()
+
+    def _followed(self, keys: list[str]) -> None:
+        for key in keys:
+            for done in self._done.pop(key, []):
+                done()
 
     async def idle(self) -> bool:
         """Nothing is owed, here or by any task (a draining worker stops only then); when
@@ -54,6 +63,12 @@ class Follower:
         await check(self.store, flow, self.publish)
 
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._run(stop)
+        finally:
+            self._followed(list(self._done))  # stopping: what was owed is the sweep's now
+
+    async def _run(self, stop: asyncio.Event) -> None:
         sweep_at = time.monotonic()
         while not stop.is_set():
             with suppress(TimeoutError):
@@ -66,6 +81,7 @@ class Follower:
             try:
                 if keys:
                     await follow_up(self.store, await self.store.follow_ups(keys=keys), self.flows)
+                    self._followed(keys)
                 if sweeping:
                     found = await self.store.follow_ups(limit=SWEEP_LIMIT)
                     await follow_up(self.store, found, self.flows)

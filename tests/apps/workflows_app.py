@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +98,12 @@ def _exit_after_outcome(doomed: str) -> None:
     others wait on has been written: for ``doomed``, the process ends there."""
     owed = taskrunner.workflows.follower.Follower.owed
 
-    def owed_or_exit(self: taskrunner.workflows.follower.Follower, key: str) -> None:
+    def owed_or_exit(
+        self: taskrunner.workflows.follower.Follower, key: str, done: Callable[[], None] | None = None
+    ) -> None:
         if key == doomed:
             os._exit(EXIT_AFTER_OUTCOME)
-        owed(self, key)
+        owed(self, key, done)
 
     taskrunner.workflows.follower.Follower.owed = owed_or_exit  # type: ignore[method-assign]
 
