@@ -229,6 +229,21 @@ async def test_final_failure_ends_the_task_without_spending_budget(store: Store)
     assert await store.claim("w2", key="doomed") is not None
 
 
+async def test_the_trace_context_is_stored_by_publish_and_replaced_by_retry(store: Store) -> None:
+    """A task published with a trace context stores it (docs/observability.md); republishing
+    the key keeps the first, a retry with one replaces it, a retry without one keeps it."""
+    first, second = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {"traceparent": "t2"}
+    [t] = await publish(store, task("traced", trace=first))
+    [again] = await publish(store, task("traced", trace=second))
+    assert t.trace == first and not again.created and again.trace == first
+    [plain] = await publish(store, task("plain"))
+    assert plain.trace is None
+    await store.cancel("traced")
+    assert (await store.retry("traced", trace=second)).trace == second
+    await store.cancel("traced")
+    assert (await store.retry("traced")).trace == second
+
+
 async def test_retry_waits_until_a_canceled_run_has_stopped(store: Store) -> None:
     """Retrying a canceled task whose run still holds its lease raises InvalidState naming the
     state and the worker; once that run gives its claim back, retry makes it PENDING."""
