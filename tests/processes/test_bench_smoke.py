@@ -436,3 +436,21 @@ def test_workflows_smoke(tmp_path: Path) -> None:
             assert cases[name]["ratio_commands"] == pytest.approx(
                 cases[name]["commands_per_task"] / control["commands_per_task"], abs=0.01
             )
+
+
+def test_tracing_smoke(tmp_path: Path) -> None:
+    """``tracing.py --smoke`` runs N = 20 tasks at each tracing level (off, API only, on), in
+    process and in a worker process, and reports worker CPU per task and its ratio to off's;
+    in process, tracing on exports one span per run and the other levels none."""
+    results = tmp_path / "results.jsonl"
+    run_bench("tracing.py", "--smoke", results=results, timeout=300)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["config"]["mode"] for line in lines] == ["inprocess", "processes"]
+    for line in lines:
+        assert line["bench"] == "tracing" and line["smoke"] is True
+        levels = line["levels"]
+        assert list(levels) == ["off", "api", "on"] and levels["off"]["ratio_cpu"] == 1.0
+        assert all(level["cpu_ms_per_task"] >= 0 and level["seconds"] > 0 for level in levels.values())
+    assert all(level["cpu_ms_per_task"] > 0 for level in lines[0]["levels"].values())  # /proc counts ticks
+    spans = {name: level["spans_per_task"] for name, level in lines[0]["levels"].items()}
+    assert spans == {"off": 0.0, "api": 0.0, "on": 1.0}
