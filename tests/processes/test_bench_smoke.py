@@ -449,7 +449,10 @@ def test_tracing_smoke(tmp_path: Path) -> None:
     for line in lines:
         assert line["bench"] == "tracing" and line["smoke"] is True
         levels = line["levels"]
-        assert list(levels) == ["off", "api", "on"] and levels["off"]["ratio_cpu"] == 1.0
+        assert list(levels) == ["off", "api", "on"] and levels["off"]["ratio_cpu"] in (
+            1.0,
+            None,
+        )  # None: 0 ticks
         assert all(level["cpu_ms_per_task"] >= 0 and level["seconds"] > 0 for level in levels.values())
     assert all(level["cpu_ms_per_task"] > 0 for level in lines[0]["levels"].values())  # /proc counts ticks
     spans = {name: level["spans_per_task"] for name, level in lines[0]["levels"].items()}
