@@ -205,7 +205,9 @@ class Execution:
     async def run(self) -> None:
         """Run the claim to its end, inside its span when tracing is on (docs/observability.md)."""
         started_ns = int((self.claim.entry.claimed_at.timestamp() - self.clock_offset) * 1e9)
-        span = self._span = tracing.run_span(self.claim, self.worker_id, started_ns)
+        task, entry = self.task, self.claim.entry
+        run = tracing.Run(task.name, task.key, task.trace, self.run_id, entry.attempt, self.worker_id)
+        span = self._span = tracing.run_span(run, started_ns)
         if span is None:
             await self._run()
             return

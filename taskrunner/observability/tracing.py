@@ -19,19 +19,32 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 from taskrunner._version import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-    from taskrunner.models import NewTask, Task
-    from taskrunner.store.base import Claim
+
+class Message(Protocol):
+    """A task as publishing sees it (``NewTask``, ``Task``). This module imports neither:
+    the logs, which nearly every module imports, use it."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self: ...
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
 S = TypeVar("S")
+M = TypeVar("M", bound=Message)
 
 SYSTEM = "taskrunner"
 SERVICE_NAME = "taskrunner-worker"
@@ -90,8 +103,8 @@ def reset() -> None:
 
 # -- publishing -------------------------------------------------------------------------------
 async def publish(
-    new: list[NewTask],
-    write: Callable[[list[NewTask]], Awaitable[R]],
+    new: list[M],
+    write: Callable[[list[M]], Awaitable[R]],
     *,
     schedule: str | None = None,
 ) -> R:
@@ -105,12 +118,12 @@ async def publish(
 
 
 def publishes(
-    method: Callable[Concatenate[S, list[NewTask], P], Awaitable[R]],
-) -> Callable[Concatenate[S, list[NewTask], P], Awaitable[R]]:
+    method: Callable[Concatenate[S, list[M], P], Awaitable[R]],
+) -> Callable[Concatenate[S, list[M], P], Awaitable[R]]:
     """``publish`` around a method whose first argument is the tasks to write."""
 
     @functools.wraps(method)
-    async def traced(self: S, new: list[NewTask], /, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def traced(self: S, new: list[M], /, *args: P.args, **kwargs: P.kwargs) -> R:
         if tracer() is None:
             return await method(self, new, *args, **kwargs)
         return await publish(new, lambda tasks: method(self, tasks, *args, **kwargs))
@@ -118,7 +131,7 @@ def publishes(
     return traced
 
 
-async def retried(key: str, retry: Callable[..., Awaitable[Task]]) -> Task:
+async def retried(key: str, retry: Callable[..., Awaitable[M]]) -> M:
     """``retry(key)`` (``Store.retry``) inside a PRODUCER span whose context the retried
     task carries from now on: the runs it causes are the retry's children."""
     found = tracer()
@@ -134,7 +147,7 @@ async def retried(key: str, retry: Callable[..., Awaitable[Task]]) -> Task:
 
 @contextmanager
 def _producer(
-    found: Tracer, new: Sequence[NewTask], *, schedule: str | None
+    found: Tracer, new: Sequence[Message], *, schedule: str | None
 ) -> Iterator[dict[str, str] | None]:
     names = {task.name for task in new}
     name = names.pop() if len(names) == 1 else None
@@ -164,25 +177,36 @@ def _carrier(span: Span) -> dict[str, str] | None:
 
 
 # -- running ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What a run's span says of it: its task (name, key, stored context) and its claim."""
+
+    name: str
+    key: str
+    trace: Mapping[str, str] | None
+    run_id: str
+    attempt: int
+    worker_id: str
+
+
 class RunSpan:
     """The CONSUMER span of one run, current while the run goes on (``enter``), ended with
     its outcome (``end``)."""
 
-    def __init__(self, found: Tracer, claim: Claim, worker_id: str, started_ns: int) -> None:
+    def __init__(self, found: Tracer, run: Run, started_ns: int) -> None:
         from opentelemetry import trace
 
-        task = claim.task
         attributes = {
             **_messaging("process"),
-            DESTINATION: task.name,
-            MESSAGE_ID: task.key,
-            RUN_ID: claim.run_id,
-            ATTEMPT: claim.entry.attempt,
-            WORKER_ID: worker_id,
+            DESTINATION: run.name,
+            MESSAGE_ID: run.key,
+            RUN_ID: run.run_id,
+            ATTEMPT: run.attempt,
+            WORKER_ID: run.worker_id,
         }
         self.span = found.start_span(
-            f"process {task.name}",
-            context=parent(task.trace),
+            f"process {run.name}",
+            context=parent(run.trace),
             kind=trace.SpanKind.CONSUMER,
             attributes=attributes,
             start_time=min(started_ns, time.time_ns()),
@@ -208,10 +232,10 @@ class RunSpan:
         self.span.end()
 
 
-def run_span(claim: Claim, worker_id: str, started_ns: int) -> RunSpan | None:
+def run_span(run: Run, started_ns: int) -> RunSpan | None:
     """The run's span starting at ``started_ns`` (local epoch ns), or None while tracing is off."""
     found = tracer()
-    return None if found is None else RunSpan(found, claim, worker_id, started_ns)
+    return None if found is None else RunSpan(found, run, started_ns)
 
 
 def parent(stored: Mapping[str, str] | None) -> Any:
