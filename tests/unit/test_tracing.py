@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import BaseModel
 
-from taskrunner import Fail, MemoryStore, Retry, TaskContext, TaskRunner, TaskState
+from taskrunner import Fail, MemoryStore, Retry, TaskContext, TaskRunner, TaskSpec, TaskState
 from taskrunner.engine.worker import Worker
 from taskrunner.observability import tracing
 from taskrunner.observability.logs import add_trace_context
@@ -211,7 +211,8 @@ async def test_publish_many_is_one_span_for_the_batch(
     spans: InMemorySpanExporter, runner: TaskRunner
 ) -> None:
     """One span per publish_many call, counting its tasks; every task carries its context."""
-    await runner.publish_many([{"name": "work", "key": f"m{i}"} for i in range(3)] + [{"name": "broken"}])
+    items: list[TaskSpec] = [{"name": "work", "key": f"m{i}"} for i in range(3)]
+    await runner.publish_many([*items, {"name": "broken"}])
     [batch] = spans.get_finished_spans()
     assert batch.name == "publish"
     attributes = dict(batch.attributes or {})
