@@ -23,6 +23,7 @@ from taskrunner.engine import fleet
 from taskrunner.engine.follow import StreamEnds
 from taskrunner.errors import (
     ChangeStreamEnded,
+    ConfigurationError,
     FlowNotFound,
     InvalidSchedule,
     InvalidTask,
@@ -54,6 +55,7 @@ from taskrunner.options import TaskOptionsDict, TaskSpec
 from taskrunner.schedules.model import DEFAULT_GRACE, Schedule, ScheduleState, ScheduleView, declare
 from taskrunner.store import fields as f
 from taskrunner.store import preflight
+from taskrunner.store.base import in_transaction
 from taskrunner.store.preflight import ServerCheck
 from taskrunner.workflows import linking, saga, settling
 from taskrunner.workflows.builder import Flow
@@ -61,7 +63,9 @@ from taskrunner.workflows.model import FlowView
 from taskrunner.workflows.upstream import Upstreams
 
 if TYPE_CHECKING:
-    from taskrunner.store.base import ChangeStream, Store
+    from pymongo import AsyncMongoClient
+
+    from taskrunner.store.base import ChangeStream, Session, Store
 
 log = get_logger("taskrunner.runner")
 H = TypeVar("H", bound=Callable[..., Any])
@@ -82,7 +86,9 @@ class TaskClient:
     workers; a handler's ``ctx.runner`` is typed as this class (it is the worker's runner).
 
     ``mongo_uri`` defaults to ``$TASKRUNNER_MONGO_URI`` or ``mongodb://localhost:27017``;
-    pass ``store=MemoryStore()`` to run without MongoDB (tests).
+    ``client=`` shares the application's ``AsyncMongoClient`` instead (its sessions and
+    transactions then span the application's writes and taskrunner's: ``session=``), and
+    ``close`` leaves it open; pass ``store=MemoryStore()`` to run without MongoDB (tests).
     """
 
     def __init__(
@@ -92,14 +98,18 @@ class TaskClient:
         database: str = f.DEFAULT_DATABASE,
         collection: str = f.DEFAULT_COLLECTION,
         store: Store | None = None,
+        client: AsyncMongoClient[Any] | None = None,
         timeout: float = 10.0,
     ) -> None:
+        if client is not None and (store is not None or mongo_uri is not None):
+            raise ConfigurationError("give client= or mongo_uri/store=, not both: client= is the connection")
         self.mongo_uri = mongo_uri or os.environ.get("TASKRUNNER_MONGO_URI", DEFAULT_URI)
         self.database, self.collection, self.timeout = database, collection, timeout
         self.handlers = Handlers()
         self.schedules: dict[str, Schedule] = {}
         """Schedules declared with ``schedule``, by id; workers store and fire them."""
-        self._store = store
+        self._client = client
+        self._store = store if client is None else _shared(client, database, collection)
 
     @property
     def store(self) -> Store:
@@ -247,6 +257,7 @@ class TaskClient:
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
+        session: Session | None = None,
         **options: Unpack[TaskOptionsDict],
     ) -> Task:
         """Publish one task; an existing key is returned untouched with ``created=False``.
@@ -265,6 +276,10 @@ class TaskClient:
         another app. ``worker_ids`` that no live worker has give a
         ``NoLiveWorkerWarning`` (the task is published and waits for one; checking costs one
         read of the worker registry).
+
+        ``session`` (a session of the ``client=`` this runner shares) makes the write the
+        session's: inside its transaction, the task exists if and only if the transaction
+        commits (docs/publishing.md, "Publishing in a transaction").
         """
         spec = dict(
             name=name,
@@ -279,7 +294,7 @@ class TaskClient:
         )
         new = self.new_task(spec, allow_unknown=allow_unknown)
         await self._check_live(worker_ids=new.options.worker_ids)
-        [task] = await self._publish([new], update_pending, republish_finished)
+        [task] = await self._publish([new], update_pending, republish_finished, session)
         return task.bound(self)
 
     async def publish_many(
@@ -289,14 +304,16 @@ class TaskClient:
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
+        session: Session | None = None,
     ) -> list[Task]:
         """Publish many tasks in one write; each item takes ``publish``'s keywords. An
-        item's ``after`` may name keys of items before it."""
+        item's ``after`` may name keys of items before it. ``session`` as for ``publish``."""
         return await self.publish_specs(
             tasks,
             update_pending=update_pending,
             republish_finished=republish_finished,
             allow_unknown=allow_unknown,
+            session=session,
         )
 
     async def publish_specs(
@@ -306,6 +323,7 @@ class TaskClient:
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
+        session: Session | None = None,
     ) -> list[Task]:
         """``publish_many`` for items a type checker cannot see: dicts read from JSON (the
         CLI) or built field by field. The same checks run, at run time."""
@@ -313,30 +331,34 @@ class TaskClient:
         new = [_at_index(i, build, spec) for i, spec in enumerate(tasks)]
         _check_unique_keys(new)
         await self._check_live(worker_ids=dict.fromkeys(i for task in new for i in task.options.worker_ids))
-        published = await self._publish(new, update_pending, republish_finished)
+        published = await self._publish(new, update_pending, republish_finished, session)
         return [task.bound(self) for task in published]
 
     @tracing.publishes
     async def _publish(
-        self, new: list[NewTask], update_pending: bool, republish_finished: bool
+        self, new: list[NewTask], update_pending: bool, republish_finished: bool, session: Session | None
     ) -> list[Task]:
         """Store ``new``; tasks with an ``after`` are checked first (their upstreams exist),
         and their upstreams learn of those created (``link``) before this returns."""
         if not any(task.after for task in new):
             return await self.store.publish(
-                new, update_pending=update_pending, republish_finished=republish_finished
+                new, update_pending=update_pending, republish_finished=republish_finished, session=session
             )
         linking.check_republish(new, republish_finished)
         outside = linking.outside(new)
-        stored = await self.store.states(outside) if outside else {}
+        stored = await self.store.states(outside, session=session) if outside else {}
         new = linking.linked(new, stored)
-        published = await self.store.publish(new, update_pending=update_pending, republish_finished=False)
-        await self._follow_up([t.key for t in published if t.created and t.after])
+        published = await self.store.publish(
+            new, update_pending=update_pending, republish_finished=False, session=session
+        )
+        await self._follow_up([t.key for t in published if t.created and t.after], session)
         return published
 
-    async def _follow_up(self, keys: Sequence[str]) -> None:
-        """Do at once the follow-ups ``keys`` owe (workers' sweeps would, within a second)."""
-        if keys:
+    async def _follow_up(self, keys: Sequence[str], session: Session | None = None) -> None:
+        """Do at once the follow-ups ``keys`` owe (workers' sweeps would, within a second).
+        Inside a transaction they are left to the sweeps: a follow-up reads and writes
+        other tasks outside the transaction, which must see it committed."""
+        if keys and not in_transaction(session):
             owed = await self.store.follow_ups(keys=keys)
             await settling.follow_up(self.store, owed, self._check_flow)
 
@@ -419,23 +441,24 @@ class TaskClient:
         finally:
             await following.close()
 
-    async def cancel(self, key: str) -> Task:
+    async def cancel(self, key: str, *, session: Session | None = None) -> Task:
         """Cancel a task: a pending one never starts; running handlers are cancelled at
         their next ping (``CancelledError`` in the handler). Raises ``InvalidState`` for a
-        task that already succeeded or failed."""
-        task = await self.store.cancel(key)
+        task that already succeeded or failed. ``session`` as for ``publish``: in a
+        transaction, the cancel holds if and only if it commits."""
+        task = await self.store.cancel(key, session=session)
         if task.dependents:
-            await self._follow_up([key])  # what runs after it is canceled too
+            await self._follow_up([key], session)  # what runs after it is canceled too
         return task.bound(self)
 
-    async def retry(self, key: str) -> Task:
+    async def retry(self, key: str, *, session: Session | None = None) -> Task:
         """Make a FAIL or CANCELED task claimable again with a fresh failure budget. Tasks
         canceled because it failed wait for it again (re-armed); a task that runs after
-        others waits for them again (WAITING)."""
-        task = await tracing.retried(key, self.store.retry)
-        if task.dependents or task.after:
+        others waits for them again (WAITING). ``session`` as for ``publish``."""
+        task = await tracing.retried(key, partial(self.store.retry, session=session))
+        if (task.dependents or task.after) and not in_transaction(session):
             await self._follow_up([key])
-            task = await self.store.get(key)
+            task = await self.store.get(key, session=session)
         return task.bound(self)
 
     async def purge(self, states: Iterable[TaskState], older_than: float, *, dry_run: bool = False) -> int:
@@ -611,12 +634,15 @@ class TaskClient:
         timeout: float | None = None,
         store: Store | None = None,
     ) -> Self:
-        """The same handlers on another connection (a fresh store unless one is given)."""
+        """The same handlers on another connection (a fresh store unless one is given; the
+        same shared ``client=`` unless a URI or store is given)."""
+        shared = self._client if mongo_uri is None and store is None else None
         twin = type(self)(
-            mongo_uri or self.mongo_uri,
+            None if shared is not None else mongo_uri or self.mongo_uri,
             database=database or self.database,
             collection=collection or self.collection,
             store=store,
+            client=shared,
             timeout=timeout or self.timeout,
         )
         twin.handlers, twin.schedules = self.handlers, self.schedules
@@ -629,8 +655,20 @@ class TaskClient:
         gets its own client to the same database, since a PyMongo client belongs to the
         event loop that first used it.
         """
+        if self._client is not None:
+            raise ConfigurationError(
+                "a runner on the application's AsyncMongoClient (client=) belongs to its event loop;"
+                " in sync code, publish with SyncTaskRunner on a runner given mongo_uri="
+            )
         shared = self._store is not None and not self._store.bound_to_loop
         return self.copy(store=self._store if shared else None)
+
+
+def _shared(client: AsyncMongoClient[Any], database: str, collection: str) -> Store:
+    """A store on the application's client, which the application closes."""
+    from taskrunner.store.mongo import MongoStore
+
+    return MongoStore(client, database, collection, owns_client=False)
 
 
 def _seconds(duration: float | timedelta | None) -> float | None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from taskrunner.client import TaskClient
 
 if TYPE_CHECKING:
+    from pymongo import MongoClient
+
     from taskrunner.engine.observe import WorkerObserver
     from taskrunner.sync import SyncTaskRunner
     from taskrunner.worker_options import WorkerOptions
@@ -54,8 +56,9 @@ class TaskRunner(TaskClient):
                 await runner
                 raise
 
-    def sync(self) -> SyncTaskRunner:
-        """A blocking facade with the same semantics, for non-async code."""
+    def sync(self, *, client: MongoClient[Any] | None = None) -> SyncTaskRunner:
+        """A blocking facade with the same semantics, for non-async code; on the
+        application's own ``MongoClient`` if given (its sessions then take ``session=``)."""
         from taskrunner.sync import SyncTaskRunner
 
-        return SyncTaskRunner(self)
+        return SyncTaskRunner(self, client=client)

@@ -2,7 +2,9 @@
 
 PyMongo's async client belongs to one event loop, so the facade runs a private
 loop in a daemon thread and forwards each call to it, with the same semantics
-and the same handlers as the ``TaskRunner`` it was made from.
+and the same handlers as the ``TaskRunner`` it was made from. Given the application's own
+``MongoClient`` (``runner.sync(client=...)``) it runs each call in the caller's thread on
+that client instead, so ``session=`` can be one of the application's sessions.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from collections.abc import Coroutine, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
-from taskrunner.errors import RunnerClosed, WaitTimeout
+from pymongo import MongoClient
+from pymongo.synchronous.client_session import ClientSession
+
+from taskrunner.errors import ConfigurationError, RunnerClosed, WaitTimeout
 from taskrunner.models import Duration, SyncTask, Task, UpstreamPolicy
 from taskrunner.options import TaskOptionsDict, TaskSpec
+from taskrunner.store.mongo import MongoStore
 from taskrunner.store.preflight import ServerCheck
 
 if TYPE_CHECKING:
@@ -31,25 +37,45 @@ class SyncTaskRunner:
     The tasks it returns are ``SyncTask`` handles: ``task.wait(timeout)`` blocks, as
     ``sync_runner.wait(task.key, timeout)`` does. After ``close()`` every call raises
     ``RunnerClosed``.
+
+    ``client``: the application's ``pymongo.MongoClient``; calls then run in the caller's
+    thread on it (no thread of the facade's own), ``session=`` takes its sessions, and
+    ``close`` leaves it open.
     """
 
-    def __init__(self, runner: TaskClient) -> None:
-        self._runner = runner.for_another_loop()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="taskrunner-sync", daemon=True)
-        self._thread.start()
+    def __init__(self, runner: TaskClient, *, client: MongoClient[Any] | None = None) -> None:
+        self._client = client
         # Held while a call is handed to the loop and while close() stops it: a call either
         # reaches a running loop or sees the facade closed, never waits on a stopped loop.
         self._lock = threading.Lock()
         self._closed = False
+        if client is not None:
+            store = MongoStore.on_sync_client(client, runner.database, runner.collection)
+            self._runner = runner.copy(store=store)
+            return
+        self._runner = runner.for_another_loop()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="taskrunner-sync", daemon=True)
+        self._thread.start()
 
     def _call(self, operation: str, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:
             if self._closed:
                 coro.close()  # never started: no "never awaited" warning
                 raise RunnerClosed(operation)
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            if self._client is None:
+                future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        if self._client is not None:
+            return asyncio.run(coro)  # this thread's own loop, for this call
         return future.result()
+
+    def _session(self, session: ClientSession | None) -> ClientSession | None:
+        """``session``, checked to belong to the client the facade runs on."""
+        if session is not None and (self._client is None or session.client is not self._client):
+            raise ConfigurationError(
+                "session= takes a session of the MongoClient given to runner.sync(client=...)"
+            )
+        return session
 
     def _task(self, operation: str, coro: Coroutine[Any, Any, Task]) -> SyncTask:
         """Run ``coro`` on the facade's loop; the task it returns waits through the facade."""
@@ -74,9 +100,10 @@ class SyncTaskRunner:
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
+        session: ClientSession | None = None,
         **options: Unpack[TaskOptionsDict],
     ) -> SyncTask:
-        """``TaskRunner.publish``, blocking."""
+        """``TaskRunner.publish``, blocking; ``session`` is one of ``client``'s."""
         publish = self._runner.publish(
             name,
             params,
@@ -89,6 +116,7 @@ class SyncTaskRunner:
             update_pending=update_pending,
             republish_finished=republish_finished,
             allow_unknown=allow_unknown,
+            session=self._session(session),
             **options,
         )
         return self._task("publish", publish)
@@ -100,13 +128,15 @@ class SyncTaskRunner:
         update_pending: bool = False,
         republish_finished: bool = False,
         allow_unknown: bool = False,
+        session: ClientSession | None = None,
     ) -> list[SyncTask]:
-        """``TaskRunner.publish_many``, blocking."""
+        """``TaskRunner.publish_many``, blocking; ``session`` is one of ``client``'s."""
         publish = self._runner.publish_many(
             list(tasks),
             update_pending=update_pending,
             republish_finished=republish_finished,
             allow_unknown=allow_unknown,
+            session=self._session(session),
         )
         return [SyncTask.of(task, self) for task in self._call("publish_many", publish)]
 
@@ -122,13 +152,13 @@ class SyncTaskRunner:
         """``TaskRunner.wait``, blocking: the finished task, or ``WaitTimeout``."""
         return self._task("wait", self._runner.wait(key, timeout, poll_interval=poll_interval))
 
-    def cancel(self, key: str) -> SyncTask:
-        """``TaskRunner.cancel``, blocking."""
-        return self._task("cancel", self._runner.cancel(key))
+    def cancel(self, key: str, *, session: ClientSession | None = None) -> SyncTask:
+        """``TaskRunner.cancel``, blocking; ``session`` is one of ``client``'s."""
+        return self._task("cancel", self._runner.cancel(key, session=self._session(session)))
 
-    def retry(self, key: str) -> SyncTask:
-        """``TaskRunner.retry``, blocking."""
-        return self._task("retry", self._runner.retry(key))
+    def retry(self, key: str, *, session: ClientSession | None = None) -> SyncTask:
+        """``TaskRunner.retry``, blocking; ``session`` is one of ``client``'s."""
+        return self._task("retry", self._runner.retry(key, session=self._session(session)))
 
     def flow(self, flow_id: str) -> Flow:
         """``TaskRunner.flow``: build it (``add``, ``chain``, ``group``), then ``publish_flow``."""
@@ -146,13 +176,16 @@ class SyncTaskRunner:
         return self._call("get_flow", self._runner.get_flow(flow_id))
 
     def close(self) -> None:
-        """Close the connection and stop the facade's loop (idempotent)."""
+        """Close the connection and stop the facade's loop (idempotent); an application's
+        ``client`` stays open."""
         try:
             self._call("close", self._runner.close())
         except RunnerClosed:
             return
         with self._lock:
             self._closed = True
+            if self._client is not None:
+                return
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

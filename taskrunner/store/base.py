@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeAlias
 
 from taskrunner.errors import InvalidTask, MalformedTask, StoreError
 from taskrunner.limits.state import LimitState
@@ -31,6 +31,22 @@ from taskrunner.models import (
 from taskrunner.schedules.model import Schedule, ScheduleState
 from taskrunner.store import fields as f
 from taskrunner.store.preflight import ServerInfo
+
+if TYPE_CHECKING:
+    from pymongo.asynchronous.client_session import AsyncClientSession
+    from pymongo.synchronous.client_session import ClientSession
+
+Session: TypeAlias = "AsyncClientSession | ClientSession"
+"""A MongoDB client session the caller owns (``client.start_session()``): writes given one
+are the session's, inside its transaction when one is open. Only ``MongoStore`` takes one: an
+``AsyncClientSession`` on an ``AsyncMongoClient``, a ``ClientSession`` on a sync client's
+store (``MongoStore.on_sync_client``)."""
+
+
+def in_transaction(session: Session | None) -> bool:
+    """Whether ``session`` has a transaction open: its writes exist only once it commits."""
+    return session is not None and session.in_transaction
+
 
 Window = tuple[datetime, datetime]
 """Server times between which a claim may happen (both included)."""
@@ -259,10 +275,13 @@ class TaskStore(Protocol):
         *,
         update_pending: bool = False,
         republish_finished: bool = False,
+        session: Session | None = None,
     ) -> list[Task]:
-        """Insert tasks whose key is new; see docs/publishing.md for the options."""
+        """Insert tasks whose key is new; see docs/publishing.md for the options. With a
+        ``session`` (MongoDB only) the writes are the session's, inside its transaction if
+        one is open (docs/publishing.md, "Publishing in a transaction")."""
 
-    async def get(self, key: str) -> Task:
+    async def get(self, key: str, *, session: Session | None = None) -> Task:
         """The task with ``key`` (``Task.read``: a malformed document reads with its
         ``problem``); raises ``TaskNotFound``."""
 
@@ -378,10 +397,12 @@ class TaskStore(Protocol):
         """Give the claim back and make the task claimable ``seconds`` from server now,
         without counting a failure (``snoozes`` counts these)."""
 
-    async def cancel(self, key: str) -> Task:
+    async def cancel(self, key: str, *, session: Session | None = None) -> Task:
         """Mark the task CANCELED; ``InvalidState`` if it already succeeded or failed."""
 
-    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
+    async def retry(
+        self, key: str, *, trace: Mapping[str, str] | None = None, session: Session | None = None
+    ) -> Task:
         """Make a FAIL or CANCELED task claimable again with a fresh failure budget;
         ``InvalidState`` for other states and while a run still holds a live lease (a
         cancel still pending). A document marked unreadable goes back to ``normalize``.
@@ -580,7 +601,7 @@ class FlowStore(Protocol):
         """Remove each ``notify`` and ``link`` of ``done`` that still holds the value read
         (one that changed since is owed again, and stays)."""
 
-    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+    async def states(self, keys: Sequence[str], *, session: Session | None = None) -> dict[str, str]:
         """The state of each of ``keys`` that exists."""
 
     async def get_many(self, keys: Sequence[str]) -> list[Task]:

@@ -29,6 +29,7 @@ from taskrunner.errors import (
     ChangeHistoryLost,
     ChangeStreamEnded,
     ClaimLost,
+    ConfigurationError,
     DocumentTooLarge,
     InvalidSchedule,
     InvalidState,
@@ -65,6 +66,7 @@ from taskrunner.store.base import (
     RunResult,
     RunStatus,
     RunWrite,
+    Session,
     Window,
     due_page,
     follow_up_of,
@@ -112,6 +114,14 @@ def _clone(value: Any) -> Any:
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+def _no_session(session: Session | None) -> None:
+    """A session belongs to a MongoDB client: the memory store has no transactions to join."""
+    if session is not None:
+        raise ConfigurationError(
+            "session= joins a MongoDB transaction; a MemoryStore has none (use a MongoDB store)"
+        )
 
 
 def _refuse_too_large(doc: Doc) -> None:
@@ -269,7 +279,9 @@ class MemoryStore:
         *,
         update_pending: bool = False,
         republish_finished: bool = False,
+        session: Session | None = None,
     ) -> list[Task]:
+        _no_session(session)
         publish_id = uuid.uuid4().hex
         return [self._publish_one(t, publish_id, update_pending, republish_finished) for t in tasks]
 
@@ -298,7 +310,8 @@ class MemoryStore:
         fresh: Doc = _clone({**doc, **times, **rules.carried(old)})
         return fresh
 
-    async def get(self, key: str) -> Task:
+    async def get(self, key: str, *, session: Session | None = None) -> Task:
+        _no_session(session)
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
@@ -524,7 +537,8 @@ class MemoryStore:
             self._emit("update", doc)
         return self._task(doc)
 
-    async def cancel(self, key: str) -> Task:
+    async def cancel(self, key: str, *, session: Session | None = None) -> Task:
+        _no_session(session)
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
@@ -534,7 +548,10 @@ class MemoryStore:
         self._emit("update", doc)
         return self._task(doc)
 
-    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
+    async def retry(
+        self, key: str, *, trace: Mapping[str, str] | None = None, session: Session | None = None
+    ) -> Task:
+        _no_session(session)
         doc = self._docs.get(key)
         if doc is None:
             raise TaskNotFound(key)
@@ -819,7 +836,8 @@ class MemoryStore:
             if changed:
                 self._emit("update", doc)
 
-    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+    async def states(self, keys: Sequence[str], *, session: Session | None = None) -> dict[str, str]:
+        _no_session(session)
         return {k: str(d.get(f.STATE)) for k in keys if (d := self._docs.get(k)) is not None}
 
     async def get_many(self, keys: Sequence[str]) -> list[Task]:

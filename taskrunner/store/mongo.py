@@ -21,9 +21,18 @@ from typing import Any, ClassVar, cast
 import bson
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.raw_bson import RawBSONDocument
-from pymongo import AsyncMongoClient, ReadPreference, ReturnDocument, UpdateMany, UpdateOne, monitoring
+from pymongo import (
+    AsyncMongoClient,
+    MongoClient,
+    ReadPreference,
+    ReturnDocument,
+    UpdateMany,
+    UpdateOne,
+    monitoring,
+)
 from pymongo import errors as pe
 from pymongo.asynchronous.change_stream import AsyncChangeStream
+from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
 
 from taskrunner.errors import (
@@ -77,10 +86,12 @@ from taskrunner.store.base import (
     RunResult,
     RunStatus,
     RunWrite,
+    Session,
     Window,
     counters_read,
     due_page,
     follow_up_of,
+    in_transaction,
     page_of,
 )
 from taskrunner.store.preflight import MINIMUM_TEXT, WHY_MINIMUM, ServerInfo, read_server, too_old
@@ -115,11 +126,26 @@ _AWAIT_MS = 500  # one getMore waits this long for changes
 _WORK_AWAIT_MS = 5000  # ... and on a worker's (filtered) stream
 
 
+_TRANSACTION_LABELS = ("TransientTransactionError", "UnknownTransactionCommitResult")
+
+
 @contextmanager
 def mapped_errors() -> Iterator[None]:
-    """Translate PyMongo errors into taskrunner's (the store boundary)."""
+    """Translate PyMongo errors into taskrunner's (the store boundary). An error labelled
+    for a transaction's retry passes unchanged: the caller's ``with_transaction`` (or its own
+    loop) reads the label and runs the transaction again."""
     try:
         yield
+    except (pe.PyMongoError, bson.errors.BSONError) as exc:
+        if isinstance(exc, pe.PyMongoError) and any(map(exc.has_error_label, _TRANSACTION_LABELS)):
+            raise
+        _raise_mapped(exc)
+
+
+def _raise_mapped(error: Exception) -> None:
+    """Raise ``error`` (PyMongo's or BSON's) as taskrunner's exception."""
+    try:
+        raise error
     except (
         pe.ConnectionFailure,
         pe.ServerSelectionTimeoutError,
@@ -158,6 +184,12 @@ def mapped_errors() -> Iterator[None]:
         raise StoreError(redact(str(exc))) from exc
     except pe.PyMongoError as exc:
         raise StoreError(redact(str(exc))) from exc
+
+
+def _driver(session: Session | None) -> AsyncClientSession | None:
+    """``session`` as the collection's methods are typed: a ``ClientSession`` only ever
+    reaches the sync client's collections (``on_sync_client``), which take it."""
+    return cast("AsyncClientSession | None", session)
 
 
 def _code(exc: BaseException) -> int | None:
@@ -257,6 +289,15 @@ class MongoStore:
             raise StoreError(f"bad MongoDB URI {redact(uri)!r}: {redact(str(exc))}") from None
         return cls(client, database, collection, owns_client=True)
 
+    @classmethod
+    def on_sync_client(cls, client: MongoClient[Any], database: str, collection: str) -> MongoStore:
+        """A store on the application's sync ``MongoClient``, whose sessions it can join; its
+        calls block (``taskrunner.store.blocking``) and it never closes the client."""
+        from taskrunner.store.blocking import BlockingClient
+
+        # The wrapper has the async client's call shapes: the store's code is the same.
+        return cls(cast("AsyncMongoClient[Doc]", BlockingClient(client)), database, collection)
+
     async def init(
         self,
         *,
@@ -311,16 +352,19 @@ class MongoStore:
         *,
         update_pending: bool = False,
         republish_finished: bool = False,
+        session: Session | None = None,
     ) -> list[Task]:
         publish_id = uuid.uuid4().hex
         ops = [self._publish_op(t, publish_id, update_pending, republish_finished) for t in tasks]
         if len(ops) == 1:
             filter_, update = ops[0]
-            doc = await self._publish_single(filter_, update)
+            doc = await self._publish_single(filter_, update, session)
             return [self._task(doc, created=doc.get(f.PUBLISH_ID) == publish_id)]
-        await self._publish_bulk(ops)
+        await self._publish_bulk(ops, session)
         with mapped_errors():
-            found = await self._raw.find({f.KEY: {"$in": [t.key for t in tasks]}}).to_list()
+            found = await self._raw.find(
+                {f.KEY: {"$in": [t.key for t in tasks]}}, session=_driver(session)
+            ).to_list()
         docs = {d.get(f.KEY): d for d in map(_decode, found)}
         return [self._task(docs[t.key], created=docs[t.key].get(f.PUBLISH_ID) == publish_id) for t in tasks]
 
@@ -333,37 +377,44 @@ class MongoStore:
         update = x.publish(new, run_at, update=changes, republish_finished=republish_finished)
         return {f.KEY: task.key}, update
 
-    async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]]) -> None:
+    async def _publish_bulk(self, ops: list[tuple[Doc, list[Any]]], session: Session | None) -> None:
         if not ops:
             return
         try:
             with mapped_errors():
                 await self.collection.bulk_write(
-                    [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False
+                    [UpdateOne(q, u, upsert=True) for q, u in ops], ordered=False, session=_driver(session)
                 )
         except PartialBulkWrite as exc:
             # A racing publisher inserted some keys first: those tasks exist, which is the goal.
-            if not all(isinstance(e, DuplicateKey) for e in exc.errors.values()):
+            # Not in a transaction: any error there aborted it (the caller runs it again).
+            if in_transaction(session) or not all(isinstance(e, DuplicateKey) for e in exc.errors.values()):
                 raise
 
-    async def _publish_single(self, filter_: Doc, update: list[Any]) -> Doc:
-        for _ in range(3):
+    async def _publish_single(self, filter_: Doc, update: list[Any], session: Session | None) -> Doc:
+        for _ in range(1 if in_transaction(session) else 3):
             try:
                 with mapped_errors():
                     doc = _decoded(
                         await self._raw.find_one_and_update(
-                            filter_, update, upsert=True, return_document=ReturnDocument.AFTER
+                            filter_,
+                            update,
+                            upsert=True,
+                            return_document=ReturnDocument.AFTER,
+                            session=_driver(session),
                         )
                     )
                     assert doc is not None, "an upsert always returns a document"
                     return doc
             except DuplicateKey:
+                if in_transaction(session):
+                    raise  # the transaction is aborted: only running it again can publish
                 continue  # two racing upserts of one key: one inserts, the other hits the unique index
         raise StoreError(f"publish of {filter_[f.KEY]!r} kept colliding with concurrent publishers")
 
-    async def get(self, key: str) -> Task:
+    async def get(self, key: str, *, session: Session | None = None) -> Task:
         with mapped_errors():
-            doc = _decoded(await self._raw.find_one({f.KEY: key}))
+            doc = _decoded(await self._raw.find_one({f.KEY: key}, session=_driver(session)))
         if doc is None:
             raise TaskNotFound(key)
         return self._task(doc)
@@ -697,27 +748,35 @@ class MongoStore:
             raise TaskNotFound(key)
         return self._task(after)
 
-    async def cancel(self, key: str) -> Task:
+    async def cancel(self, key: str, *, session: Session | None = None) -> Task:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    x.cancelable(key), x.cancel(), return_document=ReturnDocument.AFTER
+                    x.cancelable(key),
+                    x.cancel(),
+                    return_document=ReturnDocument.AFTER,
+                    session=_driver(session),
                 )
             )
         if doc is None:
-            finished = await self.get(key)  # raises TaskNotFound
+            finished = await self.get(key, session=session)  # raises TaskNotFound
             raise InvalidState(key, finished.state.value, "cancel", "WAITING, PENDING or RUNNING")
         return self._task(doc)
 
-    async def retry(self, key: str, *, trace: Mapping[str, str] | None = None) -> Task:
+    async def retry(
+        self, key: str, *, trace: Mapping[str, str] | None = None, session: Session | None = None
+    ) -> Task:
         with mapped_errors():
             doc = _decoded(
                 await self._raw.find_one_and_update(
-                    x.retryable(key), x.retry(trace=trace), return_document=ReturnDocument.AFTER
+                    x.retryable(key),
+                    x.retry(trace=trace),
+                    return_document=ReturnDocument.AFTER,
+                    session=_driver(session),
                 )
             )
         if doc is None:
-            task = await self.get(key)  # raises TaskNotFound
+            task = await self.get(key, session=session)  # raises TaskNotFound
             # No RUNNING entry here: it stopped since the update, or its entry does not read.
             running = [w.worker_id for w in task.workers if w.state is EntryState.RUNNING] or ["a worker"]
             raise rules.retry_refused(key, task.state.value, running)
@@ -1033,11 +1092,14 @@ class MongoStore:
             with mapped_errors():
                 await self.collection.bulk_write(ops, ordered=False)
 
-    async def states(self, keys: Sequence[str]) -> dict[str, str]:
+    async def states(self, keys: Sequence[str], *, session: Session | None = None) -> dict[str, str]:
         found: dict[str, str] = {}
         with mapped_errors():
             for chunk in _chunks(keys):
-                docs = await self.collection.find({f.KEY: {"$in": chunk}}, {f.KEY: 1, f.STATE: 1}).to_list()
+                query = {f.KEY: {"$in": chunk}}
+                docs = await self.collection.find(
+                    query, {f.KEY: 1, f.STATE: 1}, session=_driver(session)
+                ).to_list()
                 found |= {d[f.KEY]: str(d.get(f.STATE)) for d in docs if isinstance(d.get(f.KEY), str)}
         return found
 

@@ -103,7 +103,7 @@ def test_option_keywords_match_the_options_model() -> None:
 
 
 def test_publish_many_items_take_publish_keywords() -> None:
-    """A TaskSpec names what publish takes per task (its keywords less the call-wide flags),
+    """A TaskSpec names what publish takes per task (its keywords less the call-wide ones),
     only ``name`` required; Flow.add's extra options are publish's timing ones."""
     publish = inspect.signature(TaskRunner.publish).parameters
     per_task = {n for n, p in publish.items() if p.kind is not p.VAR_KEYWORD} - {
@@ -111,6 +111,7 @@ def test_publish_many_items_take_publish_keywords() -> None:
         "update_pending",
         "republish_finished",
         "allow_unknown",
+        "session",
     }
     assert set(get_type_hints(TaskSpec)) == per_task | set(TaskOptions.model_fields)
     assert TaskSpec.__required_keys__ == frozenset({"name"})
