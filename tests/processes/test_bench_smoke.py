@@ -457,3 +457,14 @@ def test_tracing_smoke(tmp_path: Path) -> None:
     assert all(level["cpu_ms_per_task"] > 0 for level in lines[0]["levels"].values())  # /proc counts ticks
     spans = {name: level["spans_per_task"] for name, level in lines[0]["levels"].items()}
     assert spans == {"off": 0.0, "api": 0.0, "on": 1.0}
+
+
+def test_transactions_smoke(tmp_path: Path) -> None:
+    """``transactions.py --smoke`` times each case beside its control on one server: publish
+    sends one command outside a transaction and one more (the commit) inside one."""
+    result = run_bench("transactions.py", "--smoke", results=tmp_path / "results.jsonl")
+    cases = result["cases"]
+    assert list(cases) == ["plain", "transaction", "publish", "publish_txn"]
+    assert cases["publish"]["commands_per_op"] == 1.0 and cases["publish_txn"]["commands_per_op"] == 2.0
+    assert cases["plain"]["commands_per_op"] == 2.0 and cases["transaction"]["commands_per_op"] == 3.0
+    assert all(case["ms_per_op"] > 0 for case in cases.values())
