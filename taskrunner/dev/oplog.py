@@ -11,7 +11,8 @@ the same shape, fed from mongoeco's change hub, and serves its streams from it
   mongoeco does not report at all: the bridge records them around their commands
   (``ChangeStreams.apply``).
 * Cluster time.  Each entry gets a BSON Timestamp (seconds, increment), strictly increasing,
-  and a wall time; replies carry ``operationTime`` and ``$clusterTime`` from the same clock,
+  except that a committed transaction's entries share its commit's (and carry its ``lsid``
+  and ``txnNumber``), and a wall time; replies carry ``operationTime`` and ``$clusterTime`` from the same clock,
   as a replica-set member's do.
 * Resume tokens name this server instance, the entry's time and position and the token's
   kind (an event, an invalidate, or a high-water mark), so a token from another server or
@@ -39,7 +40,7 @@ import secrets
 import struct
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -101,6 +102,8 @@ class Entry:
     full_document: dict[str, Any] | None = None
     update_description: dict[str, Any] | None = None
     to: tuple[str, str] | None = None  # a rename's target
+    lsid: dict[str, Any] | None = None  # a committed transaction's session and number
+    txn_number: int | None = None
 
 
 class TokenKind(IntEnum):
@@ -146,6 +149,9 @@ class Oplog:
         self._silenced: Counter[tuple[str, str]] = Counter()
         self._images = _PostImages()
         self._waiters: set[asyncio.Future[None]] = set()
+        self._transaction: tuple[dict[str, Any], int] | None = None
+        self._transaction_ts: Any = None
+        self.on_entry: Callable[[Entry], None] | None = None  # told of every entry appended
         self._forward = patches.route_hub_events(hub, self._receive)
 
     # Writing.
@@ -188,18 +194,35 @@ class Oplog:
         self._images.move((db, coll), (to_db, to_coll))
         self._append(op="rename", db=db, coll=coll, to=(to_db, to_coll))
 
+    @contextmanager
+    def transaction(self, lsid: dict[str, Any], txn_number: int) -> Iterator[None]:
+        """Entries appended while inside are a committed transaction's: they share one cluster
+        time and carry its ``lsid`` and ``txnNumber``, as MongoDB's events of a transaction."""
+        self._transaction, self._transaction_ts = (lsid, txn_number), None
+        try:
+            yield
+        finally:
+            self._transaction = self._transaction_ts = None
+
     def database_dropped(self, db: str) -> None:
         self._append(op="dropDatabase", db=db, coll=None)
 
     def _append(self, **fields: Any) -> None:
         wall = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
         wall = wall.replace(microsecond=wall.microsecond // 1000 * 1000)  # BSON dates are ms
-        entry = Entry(seq=self._next_seq, ts=self.clock.tick(), wall=wall, **fields)
+        if self._transaction is not None:
+            ts = self._transaction_ts = self._transaction_ts or self.clock.tick()
+            fields["lsid"], fields["txn_number"] = self._transaction
+        else:
+            ts = self.clock.tick()
+        entry = Entry(seq=self._next_seq, ts=ts, wall=wall, **fields)
         self._next_seq += 1
         self._entries.append(entry)
         if len(self._entries) > self._history:
             del self._entries[: len(self._entries) - self._history]
             self._floor_ts = self._entries[0].ts
+        if self.on_entry is not None:
+            self.on_entry(entry)
         self.wake()
 
     # Reading.

@@ -30,6 +30,14 @@ What is patched (the behaviour is written in the module named):
 * The server's proxy, ``_executor``: the bridge (``taskrunner.dev.server``), answering what
   mongoeco lacks; ``_handle_connection`` and ``_dispatch_wire_request``: each connection's
   address and message size, and dropped connections as a test fault (``taskrunner.dev.faults``).
+* Transactions (``taskrunner.dev.transactions``): the wire session store's sessions
+  (``_session_store._sessions``) are committed and aborted through mongoeco's session API;
+  the engine's transaction states (``_mvcc_states``: ``pending_changes``, ``has_writes``,
+  ``snapshot_version`` against ``_mvcc_version``) are read to find the documents a
+  statement wrote and whether a commit can install the snapshot as it is; a commit applied
+  to newer data gets the transaction's own ``pending_changes`` (its events); and committed
+  changes are dispatched to the client's hub (``_validated_engine_spi``, ``_change_hub``)
+  at commit, where mongoeco waits for the next write outside a transaction.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ if MONGOECO_AVAILABLE:
     from mongoeco.core.aggregation import array_string_expressions, runtime_state, stages, transform_stages
     from mongoeco.core.compiled_query import CompiledQuery
     from mongoeco.core.filtering import QueryEngine
+    from mongoeco.wire._session_identity import wire_session_key as _wire_session_key
 
 MONGOECO_VERSION = "4.11.0"
 """The mongoeco release the bridge was written for."""
@@ -115,3 +124,63 @@ def _wrap_classmethod(name: str, wrap: Callable[[Callable[..., bool]], Callable[
     """Replace ``QueryEngine.<name>`` (a classmethod) by ``wrap`` of its function."""
     original: Callable[..., bool] = inspect.getattr_static(QueryEngine, name).__func__
     setattr(QueryEngine, name, classmethod(wrap(original)))
+
+
+# Transactions (taskrunner.dev.transactions).
+
+
+def wire_session_key(lsid: Any) -> str:
+    """mongoeco's key for a wire session id."""
+    key: str = _wire_session_key(lsid)
+    return key
+
+
+def session_store(proxy_executor: Any) -> Any:
+    """The wire session store of the proxy's command executor."""
+    return proxy_executor._session_store
+
+
+def wire_session(sessions: Any, key: str) -> Any | None:
+    """The mongoeco session behind wire session ``key``, if it is active."""
+    context = sessions._sessions.get(key)
+    return context.session if context is not None and context.session.active else None
+
+
+def _transaction_state(engine: Any, sessions: Any, key: str) -> Any | None:
+    session = wire_session(sessions, key)
+    return None if session is None else engine._mvcc_states.get(session.session_id)
+
+
+def pending_changes(engine: Any, sessions: Any, key: str) -> list[Any]:
+    """The change payloads of the session's open transaction, in order (dicts, or None)."""
+    state = _transaction_state(engine, sessions, key)
+    return [] if state is None else list(state.pending_changes)
+
+
+def can_install(engine: Any, sessions: Any, key: str) -> bool:
+    """Whether mongoeco can commit the session's transaction as it is: nothing was written
+    since its snapshot (mongoeco installs whole collections), or it wrote nothing."""
+    state = _transaction_state(engine, sessions, key)
+    return state is None or not state.has_writes or state.snapshot_version == engine._mvcc_version
+
+
+def commit_wire_transaction(sessions: Any, key: str) -> None:
+    session = wire_session(sessions, key)
+    if session is not None and session.transaction_active:
+        session.commit_transaction()
+
+
+def abort_wire_transaction(sessions: Any, key: str) -> None:
+    session = wire_session(sessions, key)
+    if session is not None and session.transaction_active:
+        session.abort_transaction()
+
+
+def replace_pending_changes(engine: Any, session: Any, changes: list[Any]) -> None:
+    """The events ``session``'s transaction publishes at commit: ``changes``."""
+    engine._mvcc_states[session.session_id].pending_changes = list(changes)
+
+
+def dispatch_changes(client: Any) -> None:
+    """Deliver committed changes to the client's hub now (and so to the oplog)."""
+    client._validated_engine_spi.dispatch_committed_changes(client._change_hub)

@@ -59,6 +59,7 @@ from taskrunner.dev.faults import (
 from taskrunner.dev.replset import ReplicaSet, interrupted, is_hello
 from taskrunner.dev.retryable import RetryableWrites, retryable_write
 from taskrunner.dev.streams import ChangeStreams, command_database, is_change_stream
+from taskrunner.dev.transactions import LIFETIME_PARAMETER, Transactions
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, BridgedCommand, failure, plain_int
 
 if MONGOECO_AVAILABLE:
@@ -128,6 +129,7 @@ class _BridgeExecutor:
         self._replica_set = replica_set
         self._faults = Faults(replica_set, streams.end)
         self._retryable = RetryableWrites()
+        self.transactions = Transactions(streams.client, patches.session_store(inner), streams.oplog)
 
     def error_document(self, error: Exception) -> dict[str, Any]:
         document: dict[str, Any] = self._inner.error_document(error)
@@ -146,6 +148,7 @@ class _BridgeExecutor:
         db_name = command_database(command, body, db_name)
         bridged = self._divert(command, body, db_name or body.get("$db"))
         if bridged is None:
+            self.transactions.before_build(body)
             return self._inner._build_request_context(
                 body, connection=connection, db_name=db_name, on_normalized=on_normalized
             )
@@ -161,6 +164,8 @@ class _BridgeExecutor:
         if command == "aggregate" and is_change_stream(body):
             return BridgedCommand(command, db, body)
         if command == "collMod" and _is_validation_coll_mod(body):
+            return BridgedCommand(command, db, body)
+        if command in ("setParameter", "getParameter") and LIFETIME_PARAMETER in body:
             return BridgedCommand(command, db, body)
         if command == "getMore" and self._streams.owns(body["getMore"]):
             return BridgedCommand(command, db, body)
@@ -211,6 +216,12 @@ class _BridgeExecutor:
             return await self._bridged(context)
         if is_hello(name):
             return self._replica_set.hello(await self._mongoeco(context))
+        return await self.transactions.execute(
+            name, context.db_name, body, lambda: self._statement(context, name, body)
+        )
+
+    async def _statement(self, context: Any, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run a command in mongoeco, once per lsid + txnNumber when it is a retryable write."""
         session = wire_session_key(body["lsid"]) if "lsid" in body else None
         write = retryable_write(name, body, session)
         if write is None:
@@ -241,6 +252,8 @@ class _BridgeExecutor:
             return await self._get_more(context)
         if context.name == "collMod":
             return await _coll_mod(self._streams.client, context)
+        if context.name in ("setParameter", "getParameter"):
+            return await self.transactions.execute(context.name, context.db, context.body, _never)
         killed, unknown = self._streams.kill(context.body["cursors"])
         return {
             "cursorsKilled": killed,
@@ -258,6 +271,10 @@ class _BridgeExecutor:
             if raised is error:  # MongoDB kills a cursor whose getMore was interrupted
                 self._streams.kill([context.body["getMore"]])
             raise
+
+
+async def _never() -> dict[str, Any]:
+    raise AssertionError("the bridge answers this command itself")
 
 
 def _namespace(command: str, db: str, body: dict[str, Any]) -> str | None:

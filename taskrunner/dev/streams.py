@@ -170,6 +170,9 @@ def _event(entry: Entry, token: Token, full_document: str) -> dict[str, Any]:
         event["documentKey"] = entry.document_key
     if entry.update_description is not None:
         event["updateDescription"] = entry.update_description
+    if entry.lsid is not None and entry.txn_number is not None:
+        event["lsid"] = entry.lsid
+        event["txnNumber"] = BsonInt64(entry.txn_number)
     return event
 
 

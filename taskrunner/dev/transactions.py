@@ -1,0 +1,465 @@
+"""Multi-document transactions as a replica-set primary runs them.
+
+mongoeco gives each transaction a snapshot of the whole engine (copy-on-write), reads and
+writes in it, and at commit installs it only if nothing at all was written since the
+snapshot, with an error that has no code.  A server with a worker heartbeating never
+commits then.  The bridge keeps mongoeco's snapshot (a transaction reads a consistent view
+taken at its first statement, plus its own writes: MongoDB's ``snapshot`` read concern,
+whatever level the client asks) and runs the rest as MongoDB does:
+
+* Transaction numbers.  ``startTransaction`` with a newer ``txnNumber`` aborts the
+  session's open transaction and starts one; an older number fails TransactionTooOld (225);
+  a statement, ``commitTransaction`` or ``abortTransaction`` naming a transaction that is
+  not open fails NoSuchTransaction (251, labelled TransientTransactionError), one naming a
+  committed transaction TransactionCommitted (256).  ``commitTransaction`` sent again for
+  a committed transaction (a driver retrying after UnknownTransactionCommitResult) answers
+  as the first time, without committing anything again.
+* Write conflicts, per document.  A transaction that writes a document another open
+  transaction has written, or that was written (by anyone) after its snapshot, fails
+  WriteConflict (112, TransientTransactionError) and is aborted, so ``with_transaction``
+  retries it.  Two transactions inserting one ``_id``: the second fails WriteConflict while
+  the first is open or committed after the second's snapshot; its retry, whose snapshot
+  holds the document, fails DuplicateKey (11000).  A unique secondary key is checked at
+  commit: a clash there is a WriteConflict too.
+* Writes outside transactions.  An ``insert``, ``update``, ``delete`` or ``findAndModify``
+  that targets a document an open transaction has written waits until that transaction
+  commits or aborts, as MongoDB's does ("Production considerations": "the write waits
+  until the transaction ends"), then runs.  The documents a filter targets are found by a
+  query just before the write, and only while some transaction holds a document of that
+  collection, so writes cost nothing extra otherwise.  A write that slips between the
+  query and the write (a transaction writing the same document meanwhile) is not lost: the
+  transaction then fails WriteConflict at commit.
+* Commit.  The transaction's writes become visible at once: installed in one step between
+  two commands of the event loop.  When other writes happened since the snapshot (to other
+  documents), the transaction's final documents are applied to the current data in one
+  mongoeco transaction instead.  Change streams get its events only at commit, in the
+  transaction's order, all with the commit's cluster time and each with its ``lsid`` and
+  ``txnNumber``, as MongoDB's (``taskrunner.dev.oplog``).
+* Aborting.  ``abortTransaction``, a failed statement (a write error included, as on
+  MongoDB), ``endSessions`` of its session, a newer ``startTransaction`` on the session and
+  the lifetime limit abort a transaction.  The limit is ``transactionLifetimeLimitSeconds``
+  (60 by default, settable with ``setParameter`` on admin as on MongoDB); a transaction
+  older than it is aborted by a timer, and writes waiting for it go on.  A dropped
+  connection does not abort a transaction (drivers may use another connection for its next
+  statement), as on MongoDB: the lifetime limit does.
+* Refusals inside a transaction: ``count`` fails OperationNotSupportedInTransaction (263);
+  ``writeConcern`` on a statement and ``readConcern`` on any but the first fail
+  InvalidOptions (72).  Creating a collection or an index implicitly is allowed (4.4+).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import enum
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from taskrunner.dev import patches
+from taskrunner.dev.oplog import Entry, Oplog
+from taskrunner.dev.wire import MONGOECO_AVAILABLE, failure, plain_int
+
+if MONGOECO_AVAILABLE:
+    from mongoeco.errors import OperationFailure
+
+DEFAULT_LIFETIME_SECONDS = 60  # MongoDB's transactionLifetimeLimitSeconds default
+TRANSIENT = "TransientTransactionError"
+LIFETIME_PARAMETER = "transactionLifetimeLimitSeconds"
+
+_WRITES = {"insert": "documents", "update": "updates", "delete": "deletes", "findAndModify": None}
+_ENDING = {"commitTransaction", "abortTransaction"}
+
+DocKey = tuple[str, str, str]  # db, collection, repr of the _id
+Run = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class _Transaction:
+    session: str
+    lsid: Any
+    number: int
+    snapshot_seq: int
+    state: _State = _State.OPEN
+    writes: set[DocKey] = field(default_factory=set)
+    seen_changes: int = 0  # how many of mongoeco's pending changes were checked for conflicts
+    statements: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+
+def write_conflict() -> Exception:
+    return failure(
+        "Write conflict during plan execution and yielding is disabled."
+        " :: Please retry your operation or multi-document transaction.",
+        112,
+        "WriteConflict",
+        TRANSIENT,
+    )
+
+
+def _no_such_transaction(number: int, aborted: bool) -> Exception:
+    message = (
+        f"Transaction with {{ txnNumber: {number} }} has been aborted."
+        if aborted
+        else f"Given transaction number {number} does not match any in-progress transactions."
+    )
+    return failure(message, 251, "NoSuchTransaction", TRANSIENT)
+
+
+def _doc_key(db: str, coll: str, document_key: Any) -> DocKey | None:
+    if not isinstance(document_key, dict) or "_id" not in document_key:
+        return None
+    return db, coll, repr(document_key["_id"])
+
+
+class Transactions:
+    """The server's transactions, by session (see the module docstring)."""
+
+    def __init__(self, client: Any, sessions: Any, oplog: Oplog) -> None:
+        self._client = client
+        self._engine = client._engine
+        self._sessions = sessions  # mongoeco's wire session store
+        self._oplog = oplog
+        self.lifetime_seconds: float = DEFAULT_LIFETIME_SECONDS
+        self._open: dict[str, _Transaction] = {}  # the latest transaction of each session
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._holders: dict[DocKey, _Transaction] = {}
+        self._held_namespaces: Counter[tuple[str, str]] = Counter()
+        self._written: dict[DocKey, int] = {}  # oplog position of each document's last write
+        self._starting: dict[str, int] = {}  # snapshot positions of transactions being started
+        self._reapers: set[asyncio.Task[None]] = set()
+        self._gate = asyncio.Lock()  # writes to the live data, and commits that rebase
+        oplog.on_entry = self._on_entry
+
+    # Hooks from the bridge.
+
+    def before_build(self, body: dict[str, Any]) -> None:
+        """Called before mongoeco resolves a command's session (and, for ``startTransaction``,
+        takes its snapshot): a newer transaction ends the session's open one first."""
+        if body.get("startTransaction") is not True or "lsid" not in body:
+            return
+        number = plain_int(body.get("txnNumber"))
+        if type(number) is not int:
+            return
+        key = patches.wire_session_key(body["lsid"])
+        current = self._open.get(key)
+        if current is not None and number <= current.number:
+            return  # refused in execute
+        if current is not None and current.state is _State.OPEN:
+            self._abort(current)
+        self._starting[key] = self._oplog.next_seq
+
+    async def execute(self, name: str, db: str, body: dict[str, Any], run: Run) -> dict[str, Any]:
+        """Run command ``name`` (``run`` executes it in mongoeco) as MongoDB would."""
+        if name in ("setParameter", "getParameter") and LIFETIME_PARAMETER in body:
+            return self._parameter(name, db, body)
+        if name == "endSessions":
+            self._end_sessions(body.get("endSessions"))
+            return await run()
+        if body.get("autocommit") is False and "lsid" in body:
+            key = patches.wire_session_key(body["lsid"])
+            async with self._session_lock(key):
+                return await self._in_transaction(key, name, body, run)
+        if name in _WRITES:
+            return await self._outside(name, db, body, run)
+        return await run()
+
+    # Statements of a transaction.
+
+    async def _in_transaction(self, key: str, name: str, body: dict[str, Any], run: Run) -> dict[str, Any]:
+        number = plain_int(body.get("txnNumber"))
+        if type(number) is not int:
+            raise failure("txnNumber must be provided for multi-document transactions", 72, "InvalidOptions")
+        if body.get("startTransaction") is True:
+            transaction = self._start(key, body, number)
+        else:
+            transaction = self._current(key, name, number)
+            if name == "commitTransaction":
+                return await self._commit(transaction)
+            if name == "abortTransaction":
+                self._abort(transaction)
+                return {"ok": 1.0}
+        _refuse(name, body, first=transaction.statements == 0)
+        transaction.statements += 1
+        try:
+            reply = await run()
+        except BaseException:
+            self._abort(transaction)
+            raise
+        if reply.get("writeErrors") or not reply.get("ok", 1):
+            self._abort(transaction)  # MongoDB aborts a transaction whose statement failed
+        elif not self._claim(transaction):
+            self._abort(transaction)
+            raise write_conflict()
+        return reply
+
+    def _start(self, key: str, body: dict[str, Any], number: int) -> _Transaction:
+        current = self._open.get(key)
+        if current is not None and number <= current.number:
+            if current.state is not _State.OPEN:
+                patches.abort_wire_transaction(self._sessions, key)  # mongoeco started one
+            if number < current.number:
+                raise failure(
+                    f"Cannot start transaction {number} on session {key} because a newer"
+                    f" transaction {current.number} has already started.",
+                    225,
+                    "TransactionTooOld",
+                )
+            raise failure(
+                f"Transaction {number} has already started on session {key}.",
+                117,
+                "ConflictingOperationInProgress",
+            )
+        transaction = _Transaction(key, body["lsid"], number, self._starting.pop(key, self._oplog.next_seq))
+        self._open[key] = transaction
+        self._schedule_expiry(transaction)
+        return transaction
+
+    def _current(self, key: str, name: str, number: int) -> _Transaction:
+        transaction = self._open.get(key)
+        if transaction is None or transaction.number != number:
+            raise _no_such_transaction(number, aborted=False)
+        if transaction.state is _State.ABORTED:
+            raise _no_such_transaction(number, aborted=True)
+        if transaction.state is _State.COMMITTED and name != "commitTransaction":
+            raise failure(f"Transaction {number} has been committed.", 256, "TransactionCommitted")
+        return transaction
+
+    def _claim(self, transaction: _Transaction) -> bool:
+        """Take the documents the transaction's last statement wrote; False on a conflict."""
+        changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
+        new, transaction.seen_changes = changes[transaction.seen_changes :], len(changes)
+        for change in new:
+            if not isinstance(change, dict):
+                continue
+            doc = _doc_key(change["db_name"], change["coll_name"], change.get("document_key"))
+            if doc is None or doc in transaction.writes:
+                continue
+            holder = self._holders.get(doc)
+            if holder is not None and holder is not transaction:
+                return False
+            if self._written.get(doc, -1) >= transaction.snapshot_seq:
+                return False
+            self._holders[doc] = transaction
+            self._held_namespaces[doc[0], doc[1]] += 1
+            transaction.writes.add(doc)
+        return True
+
+    # Commit and abort.
+
+    async def _commit(self, transaction: _Transaction) -> dict[str, Any]:
+        if transaction.state is _State.COMMITTED:
+            return {"ok": 1.0}  # a retried commit: already done, nothing runs again
+        if any(self._written.get(doc, -1) >= transaction.snapshot_seq for doc in transaction.writes):
+            self._abort(transaction)
+            raise write_conflict()
+        async with self._gate:
+            if patches.can_install(self._engine, self._sessions, transaction.session):
+                self._publish(
+                    transaction, lambda: patches.commit_wire_transaction(self._sessions, transaction.session)
+                )
+            else:
+                await self._rebase(transaction)
+        self._end(transaction, _State.COMMITTED)
+        return {"ok": 1.0}
+
+    def _publish(self, transaction: _Transaction, commit: Callable[[], None]) -> None:
+        """Commit, and give the oplog the transaction's events with its lsid and txnNumber
+        (no await between: nothing else is published in between)."""
+        patches.dispatch_changes(self._client)  # others' changes first, untagged
+        with self._oplog.transaction(transaction.lsid, transaction.number):
+            commit()
+            patches.dispatch_changes(self._client)
+
+    async def _rebase(self, transaction: _Transaction) -> None:
+        """Apply the transaction's final documents to data that changed since its snapshot
+        (other documents only: conflicts were checked), in one mongoeco transaction."""
+        changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
+        final: dict[DocKey, dict[str, Any]] = {}
+        for change in changes:
+            if isinstance(change, dict):
+                doc = _doc_key(change["db_name"], change["coll_name"], change.get("document_key"))
+                if doc is not None:
+                    final[doc] = change
+        if any(c["operation_type"] != "delete" and c.get("full_document") is None for c in final.values()):
+            self._abort(transaction)
+            raise write_conflict()
+        session = self._client.start_session()
+        try:
+            session.start_transaction()
+            for change in final.values():
+                await self._apply(change, session)
+            patches.replace_pending_changes(self._engine, session, changes)
+            self._publish(transaction, session.commit_transaction)
+        except OperationFailure as error:  # a unique key another commit took meanwhile
+            if session.transaction_active:
+                session.abort_transaction()
+            self._abort(transaction)
+            raise write_conflict() from error
+        finally:
+            session.close()
+        patches.abort_wire_transaction(self._sessions, transaction.session)
+
+    async def _apply(self, change: dict[str, Any], session: Any) -> None:
+        collection = self._client.get_database(change["db_name"]).get_collection(change["coll_name"])
+        selector = {"_id": change["document_key"]["_id"]}
+        if change["operation_type"] == "delete":
+            await collection.delete_one(selector, session=session)
+        else:
+            await collection.replace_one(selector, change["full_document"], upsert=True, session=session)
+
+    def _abort(self, transaction: _Transaction) -> None:
+        if transaction.state is not _State.OPEN:
+            return
+        patches.abort_wire_transaction(self._sessions, transaction.session)
+        self._end(transaction, _State.ABORTED)
+
+    def _end(self, transaction: _Transaction, state: _State) -> None:
+        transaction.state = state
+        for doc in transaction.writes:
+            if self._holders.get(doc) is transaction:
+                del self._holders[doc]
+                self._held_namespaces[doc[0], doc[1]] -= 1
+        self._held_namespaces = +self._held_namespaces
+        if transaction.timer is not None:
+            transaction.timer.cancel()
+        transaction.ended.set()
+        if not self._snapshots_open():
+            self._written.clear()  # no snapshot is older than what comes next
+
+    def _end_sessions(self, sessions: object) -> None:
+        if not isinstance(sessions, list):
+            return
+        for lsid in sessions:
+            transaction = self._open.pop(patches.wire_session_key(lsid), None)
+            if transaction is not None:
+                self._abort(transaction)
+
+    # The lifetime limit.
+
+    def _schedule_expiry(self, transaction: _Transaction) -> None:
+        delay = max(0.0, transaction.started + self.lifetime_seconds - time.monotonic())
+        transaction.timer = asyncio.get_running_loop().call_later(delay, self._expire, transaction)
+
+    def _expire(self, transaction: _Transaction) -> None:
+        task = asyncio.get_running_loop().create_task(self._expired(transaction))
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+
+    async def _expired(self, transaction: _Transaction) -> None:
+        async with self._session_lock(transaction.session):  # after a statement in progress
+            self._abort(transaction)
+
+    def _parameter(self, name: str, db: str, body: dict[str, Any]) -> dict[str, Any]:
+        if db != "admin":
+            raise failure(f"{name} may only be run against the admin database.", 13, "Unauthorized")
+        if name == "getParameter":
+            return {LIFETIME_PARAMETER: _whole(self.lifetime_seconds), "ok": 1.0}
+        value = plain_int(body[LIFETIME_PARAMETER])
+        if type(value) is not int or value < 1:
+            raise failure(f"{LIFETIME_PARAMETER} must be greater than or equal to 1s", 2, "BadValue")
+        was, self.lifetime_seconds = self.lifetime_seconds, value
+        for transaction in self._open.values():
+            if transaction.state is _State.OPEN:
+                if transaction.timer is not None:
+                    transaction.timer.cancel()
+                self._schedule_expiry(transaction)
+        return {"was": _whole(was), "ok": 1.0}
+
+    # Writes outside transactions.
+
+    async def _outside(self, name: str, db: str, body: dict[str, Any], run: Run) -> dict[str, Any]:
+        coll = body.get(name)
+        max_time_ms = plain_int(body.get("maxTimeMS"))
+        deadline = (
+            time.monotonic() + max_time_ms / 1000 if type(max_time_ms) is int and max_time_ms > 0 else None
+        )
+        while isinstance(coll, str) and self._held_namespaces[db, coll]:
+            holder = await self._holder_of_targets(name, db, coll, body)
+            if holder is None:
+                break
+            await _wait(holder.ended, deadline)  # MongoDB: the write waits until the transaction ends
+        async with self._gate:
+            return await run()
+
+    async def _holder_of_targets(
+        self, name: str, db: str, coll: str, body: dict[str, Any]
+    ) -> _Transaction | None:
+        for document_key in await self._targets(name, db, coll, body):
+            holder = self._holders.get((db, coll, repr(document_key)))
+            if holder is not None and holder.state is _State.OPEN:
+                return holder
+        return None
+
+    async def _targets(self, name: str, db: str, coll: str, body: dict[str, Any]) -> list[Any]:
+        """The ``_id`` values the write would touch (inserts: its documents')."""
+        if name == "insert":
+            return [d["_id"] for d in body.get("documents") or [] if isinstance(d, dict) and "_id" in d]
+        if name == "findAndModify":
+            filters = [body.get("query") or {}]
+        else:
+            statements = body.get(_WRITES[name] or "") or []
+            filters = [s.get("q") or {} for s in statements if isinstance(s, dict)]
+        collection = self._client.get_database(db).get_collection(coll)
+        ids: list[Any] = []
+        for query in filters:
+            ids += [d["_id"] for d in await collection.find(copy.deepcopy(query), {"_id": 1}).to_list(None)]
+        return ids
+
+    def _on_entry(self, entry: Entry) -> None:
+        if entry.coll is None or entry.document_key is None:
+            return
+        if self._snapshots_open():
+            doc = _doc_key(entry.db, entry.coll, entry.document_key)
+            if doc is not None:
+                self._written[doc] = entry.seq
+
+    def _snapshots_open(self) -> bool:
+        return bool(self._starting) or any(t.state is _State.OPEN for t in self._open.values())
+
+    def _session_lock(self, key: str) -> asyncio.Lock:
+        return self._session_locks.setdefault(key, asyncio.Lock())
+
+
+async def _wait(ended: asyncio.Event, deadline: float | None) -> None:
+    """Wait for ``ended``, failing MaxTimeMSExpired (50) past ``deadline`` as MongoDB's
+    waiting write does past its ``maxTimeMS``."""
+    try:
+        async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+            await ended.wait()
+    except TimeoutError:
+        raise failure("operation exceeded time limit", 50, "MaxTimeMSExpired") from None
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    return asyncio.get_running_loop().time() + monotonic_deadline - time.monotonic()
+
+
+def _whole(seconds: float) -> int | float:
+    return int(seconds) if float(seconds).is_integer() else seconds
+
+
+def _refuse(name: str, body: dict[str, Any], *, first: bool) -> None:
+    """MongoDB's refusals of a statement inside a transaction."""
+    if name == "count":
+        raise failure(
+            "Cannot run 'count' in a multi-document transaction.", 263, "OperationNotSupportedInTransaction"
+        )
+    if name in _ENDING:
+        return
+    if "writeConcern" in body:
+        raise failure("Cannot set write concern after starting a transaction.", 72, "InvalidOptions")
+    if "readConcern" in body and not first:
+        raise failure(
+            "Only the first command in a transaction may specify a readConcern", 72, "InvalidOptions"
+        )
