@@ -60,6 +60,7 @@ from typing import Any
 
 from taskrunner.dev import patches
 from taskrunner.dev.oplog import Entry, Oplog
+from taskrunner.dev.retryable import MAX_SESSIONS
 from taskrunner.dev.wire import MONGOECO_AVAILABLE, failure, plain_int
 
 if MONGOECO_AVAILABLE:
@@ -221,9 +222,23 @@ class Transactions:
                 "ConflictingOperationInProgress",
             )
         transaction = _Transaction(key, body["lsid"], number, self._starting.pop(key, self._oplog.next_seq))
-        self._open[key] = transaction
+        self._open.pop(key, None)
+        self._open[key] = transaction  # the newest last, so that the oldest are pruned first
+        self._prune()
         self._schedule_expiry(transaction)
         return transaction
+
+    def _prune(self) -> None:
+        """Forget the oldest ended transactions beyond ``MAX_SESSIONS`` sessions (a retried
+        commit of one of them then fails NoSuchTransaction, as after MongoDB reaps a session)."""
+        excess = len(self._open) - MAX_SESSIONS
+        for key, transaction in list(self._open.items()):
+            if excess <= 0:
+                return
+            if transaction.state is not _State.OPEN and not self._session_lock(key).locked():
+                del self._open[key]
+                del self._session_locks[key]
+                excess -= 1
 
     def _current(self, key: str, name: str, number: int) -> _Transaction:
         transaction = self._open.get(key)
@@ -341,9 +356,13 @@ class Transactions:
         if not isinstance(sessions, list):
             return
         for lsid in sessions:
-            transaction = self._open.pop(patches.wire_session_key(lsid), None)
+            key = patches.wire_session_key(lsid)
+            transaction = self._open.pop(key, None)
             if transaction is not None:
                 self._abort(transaction)
+            lock = self._session_locks.get(key)
+            if lock is not None and not lock.locked():
+                del self._session_locks[key]
 
     # The lifetime limit.
 

@@ -317,12 +317,46 @@ async def test_mongoeco_pin_and_private_internals_hold() -> None:
             broken.append(
                 f"hub events of an insert and a drop are no longer as the oplog reads them: {events}"
             )
+        broken += await _transaction_internals_broken(client, server._executor)
         stream.close()
     broken += _engine_and_fail_point_internals_broken()
     assert not broken, (
         "mongoeco internals used by taskrunner/dev/ (patches.py and the modules it names, oplog.py,"
-        " streams.py, retryable.py) changed: " + "; ".join(broken)
+        " streams.py, retryable.py, transactions.py) changed: " + "; ".join(broken)
     )
+
+
+async def _transaction_internals_broken(client: Any, executor: Any) -> list[str]:
+    """What transactions.py reads through patches.py: the wire session store, the engine's
+    transaction states and their change payloads, and the dispatch of committed changes."""
+    from mongoeco.engines.mvcc import MemoryMvccState
+
+    broken = []
+    if not isinstance(getattr(getattr(executor, "_session_store", None), "_sessions", None), dict):
+        broken.append("executor._session_store._sessions missing")
+    fields = {field.name for field in dataclasses.fields(MemoryMvccState)}
+    broken += [f"MemoryMvccState.{n} missing" for n in _MVCC_FIELDS if n not in fields]
+    engine = client._engine
+    if not isinstance(getattr(engine, "_mvcc_version", None), int):
+        broken.append("engine._mvcc_version missing")
+    if not callable(getattr(client._validated_engine_spi, "dispatch_committed_changes", None)):
+        broken.append("client._validated_engine_spi.dispatch_committed_changes missing")
+    if getattr(client, "_change_hub", None) is None:
+        broken.append("client._change_hub missing")
+    session = client.start_session()
+    session.start_transaction()
+    await client.d.t.insert_one({"_id": 1}, session=session)
+    changes = engine._mvcc_states[session.session_id].pending_changes
+    keys = set(changes[0]) if changes and isinstance(changes[0], dict) else set()
+    if not set(_CHANGE_PAYLOAD) <= keys:
+        broken.append(f"a transaction's pending change payload has {sorted(keys)}")
+    session.abort_transaction()
+    session.close()
+    return broken
+
+
+_MVCC_FIELDS = ("snapshot_version", "pending_changes", "has_writes")
+_CHANGE_PAYLOAD = ("operation_type", "db_name", "coll_name", "document_key", "full_document")
 
 
 def _engine_and_fail_point_internals_broken() -> list[str]:

@@ -83,14 +83,25 @@ async def test_commit_makes_every_write_visible_at_once_while_others_write(
 async def test_abort_discards_every_write_and_a_retried_commit_commits_once(
     client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
-    """Aborting discards all of a transaction's writes; committing a committed transaction again
-    (a driver's retry) succeeds without applying anything twice."""
+    """Aborting discards all of a transaction's writes and committing it then fails NoSuchTransaction
+    (251); committing a committed transaction again (a driver's retry) succeeds without applying
+    anything twice."""
     async with client.start_session() as session:
         async with await session.start_transaction():
             await items.insert_one({"_id": "gone"}, session=session)
             await items.update_one({"_id": "existing"}, {"$inc": {"n": 5}}, session=session)
             await session.abort_transaction()
         assert await twin(other, items).find({}).to_list() == [{"_id": "existing", "n": 0}]
+        with pytest.raises(OperationFailure) as no_such:  # committing it anyway, as a raw command
+            await client.admin.command(
+                {
+                    "commitTransaction": 1,
+                    "txnNumber": session._server_session.transaction_id,
+                    "autocommit": False,
+                },
+                session=session,
+            )
+        assert no_such.value.code == 251 and no_such.value.has_error_label(TRANSIENT)
         await session.start_transaction()
         await items.update_one({"_id": "existing"}, {"$inc": {"n": 1}}, session=session)
         await session.commit_transaction()
@@ -190,6 +201,34 @@ async def test_same_id_in_two_transactions_conflicts_then_is_a_duplicate_key(
     assert await items.find({"_id": "key"}).to_list() == [{"_id": "key", "by": "first"}]
 
 
+async def test_same_unique_key_in_two_transactions_commits_one(
+    client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
+) -> None:
+    """Two transactions inserting one value of a unique secondary key: the second fails
+    WriteConflict, transient (MongoDB at its insert; the embedded server at its commit), and
+    its retry DuplicateKey: one document holds the key."""
+    await items.create_index("key", unique=True)
+    async with client.start_session() as first, other.start_session() as second:
+        await first.start_transaction()
+        await items.insert_one({"_id": "one", "key": "k"}, session=first)
+        await second.start_transaction()
+        try:
+            await twin(other, items).insert_one({"_id": "two", "key": "k"}, session=second)
+            await first.commit_transaction()
+            with pytest.raises(OperationFailure) as conflict:
+                await second.commit_transaction()
+        except OperationFailure as error:
+            conflict = pytest.ExceptionInfo.from_exception(error)
+            await second.abort_transaction()
+            await first.commit_transaction()
+        assert conflict.value.code == 112 and conflict.value.has_error_label(TRANSIENT)
+        await second.start_transaction()
+        with pytest.raises(DuplicateKeyError):
+            await twin(other, items).insert_one({"_id": "two", "key": "k"}, session=second)
+        await second.abort_transaction()
+    assert await items.find({"key": "k"}).to_list() == [{"_id": "one", "key": "k"}]
+
+
 async def test_a_write_outside_waits_for_the_transaction_holding_its_document(
     client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
@@ -268,13 +307,15 @@ async def test_commands_refused_inside_a_transaction(
     client: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
     """Inside a transaction ``count`` fails OperationNotSupportedInTransaction (263) and a
-    statement's own writeConcern fails InvalidOptions (72); creating a collection implicitly works."""
+    statement's own writeConcern fails InvalidOptions (72) without ending the transaction;
+    creating a collection implicitly works."""
     database = items.database
     async with client.start_session() as session:
-        async with await session.start_transaction():
-            with pytest.raises(OperationFailure) as count:
-                await database.command("count", items.name, session=session)
-            assert count.value.code == 263
+        await session.start_transaction()
+        with pytest.raises(OperationFailure) as count:
+            await database.command("count", items.name, session=session)
+        assert count.value.code == 263
+        await session.abort_transaction()
         async with await session.start_transaction():
             with pytest.raises(OperationFailure) as write_concern:
                 await database.command(
