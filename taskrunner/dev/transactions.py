@@ -421,18 +421,32 @@ class Transactions:
         return None
 
     async def _targets(self, name: str, db: str, coll: str, body: dict[str, Any]) -> list[Any]:
-        """The ``_id`` values the write would touch (inserts: its documents')."""
+        """The ``_id`` values the write would touch now: an insert's documents', the first match
+        of a single-document statement (by its sort for findAndModify), every match of a multi
+        one, and the ``_id`` an upsert would insert."""
         if name == "insert":
             return [d["_id"] for d in body.get("documents") or [] if isinstance(d, dict) and "_id" in d]
         if name == "findAndModify":
-            filters = [body.get("query") or {}]
+            found = [(body.get("query") or {}, body.get("sort"), 1, body.get("upsert"))]
+        elif name == "update":
+            found = [
+                (s.get("q") or {}, None, 0 if s.get("multi") else 1, s.get("upsert"))
+                for s in body.get("updates") or []
+                if isinstance(s, dict)
+            ]
         else:
-            statements = body.get(_WRITES[name] or "") or []
-            filters = [s.get("q") or {} for s in statements if isinstance(s, dict)]
+            found = [
+                (s.get("q") or {}, None, plain_int(s.get("limit")) or 0, False)
+                for s in body.get("deletes") or []
+                if isinstance(s, dict)
+            ]
         collection = self._client.get_database(db).get_collection(coll)
         ids: list[Any] = []
-        for query in filters:
-            ids += [d["_id"] for d in await collection.find(copy.deepcopy(query), {"_id": 1}).to_list(None)]
+        for query, sort, limit, upsert in found:
+            cursor = collection.find(copy.deepcopy(query), {"_id": 1}, sort=sort, limit=limit)
+            ids += [d["_id"] for d in await cursor.to_list(None)]
+            if upsert and isinstance(query, dict) and "_id" in query and not _is_operator(query["_id"]):
+                ids.append(query["_id"])
         return ids
 
     def _on_entry(self, entry: Entry) -> None:
@@ -466,6 +480,10 @@ def _loop_time(monotonic_deadline: float) -> float:
 
 def _whole(seconds: float) -> int | float:
     return int(seconds) if float(seconds).is_integer() else seconds
+
+
+def _is_operator(value: Any) -> bool:
+    return isinstance(value, dict) and any(isinstance(k, str) and k.startswith("$") for k in value)
 
 
 def _refuse(name: str, body: dict[str, Any], *, first: bool) -> None:

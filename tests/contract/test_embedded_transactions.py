@@ -246,6 +246,39 @@ async def test_a_write_outside_waits_for_the_transaction_holding_its_document(
     assert await items.find_one({"_id": "existing"}) == {"_id": "existing", "n": 11}
 
 
+async def test_a_write_outside_waits_only_for_the_documents_it_targets(
+    client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
+) -> None:
+    """Outside writes whose target is not held by the open transaction (a claim that sorts another
+    document first) go ahead at once; an upsert of the ``_id`` the transaction inserted waits."""
+    outside = twin(other, items)
+    await items.insert_many([{"_id": "a", "rank": 1}, {"_id": "b", "rank": 2}])
+    async with client.start_session() as session:
+        await session.start_transaction()
+        await items.update_one({"_id": "b"}, {"$set": {"held": True}}, session=session)
+        await items.insert_one({"_id": "new"}, session=session)
+        claimed = await outside.find_one_and_update(
+            {"rank": {"$gte": 1}}, {"$set": {"claimed": True}}, sort=[("rank", 1)], maxTimeMS=5000
+        )
+        assert claimed is not None and claimed["_id"] == "a"
+        await outside.find_one_and_update({"_id": "existing"}, {"$inc": {"n": 1}}, maxTimeMS=5000)
+        with pytest.raises(ExecutionTimeout):
+            await outside.find_one_and_update(
+                {"rank": {"$gte": 1}}, {"$set": {"claimed": True}}, sort=[("rank", -1)], maxTimeMS=300
+            )
+        with pytest.raises(ExecutionTimeout):
+            await outside.find_one_and_update(
+                {"_id": "new"}, {"$set": {"upserted": True}}, upsert=True, maxTimeMS=300
+            )
+        await session.commit_transaction()
+    assert await items.find({}, sort=[("_id", 1)]).to_list() == [
+        {"_id": "a", "rank": 1, "claimed": True},
+        {"_id": "b", "rank": 2, "held": True},
+        {"_id": "existing", "n": 1},
+        {"_id": "new"},
+    ]
+
+
 async def test_ending_the_session_aborts_its_transaction(
     client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
