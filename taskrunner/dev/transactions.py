@@ -252,6 +252,7 @@ class Transactions:
 
     def _claim(self, transaction: _Transaction) -> bool:
         """Take the documents the transaction's last statement wrote; False on a conflict."""
+        patches.dispatch_changes(self._client)  # every write committed so far is in the oplog
         changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
         new, transaction.seen_changes = changes[transaction.seen_changes :], len(changes)
         for change in new:
@@ -275,10 +276,11 @@ class Transactions:
     async def _commit(self, transaction: _Transaction) -> dict[str, Any]:
         if transaction.state is _State.COMMITTED:
             return {"ok": 1.0}  # a retried commit: already done, nothing runs again
-        if any(self._written.get(doc, -1) >= transaction.snapshot_seq for doc in transaction.writes):
-            self._abort(transaction)
-            raise write_conflict()
         async with self._gate:
+            patches.dispatch_changes(self._client)  # every write committed so far is in the oplog
+            if any(self._written.get(doc, -1) >= transaction.snapshot_seq for doc in transaction.writes):
+                self._abort(transaction)
+                raise write_conflict()
             if patches.can_install(self._engine, self._sessions, transaction.session):
                 self._publish(
                     transaction, lambda: patches.commit_wire_transaction(self._sessions, transaction.session)
@@ -291,7 +293,7 @@ class Transactions:
     def _publish(self, transaction: _Transaction, commit: Callable[[], None]) -> None:
         """Commit, and give the oplog the transaction's events with its lsid and txnNumber
         (no await between: nothing else is published in between)."""
-        patches.dispatch_changes(self._client)  # others' changes first, untagged
+        patches.dispatch_changes(self._client)  # others' changes first, without them
         with self._oplog.transaction(transaction.lsid, transaction.number):
             commit()
             patches.dispatch_changes(self._client)

@@ -164,6 +164,29 @@ async def test_write_conflict_is_transient_and_with_transaction_retries_until_it
     assert await items.find_one({"_id": "existing"}) == {"_id": "existing", "n": 11}
 
 
+async def test_concurrent_with_transactions_on_one_document_all_commit_once(
+    client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
+) -> None:
+    """Eight ``with_transaction`` calls that each insert a document and increment one counter,
+    beside writes outside transactions to the counter: every increment and insert lands once."""
+
+    async def increment(i: int) -> None:
+        async def body(session: AsyncClientSession) -> None:
+            await items.insert_one({"_id": f"t{i}"}, session=session)
+            await items.update_one({"_id": "existing"}, {"$inc": {"n": 1}}, session=session)
+
+        async with client.start_session() as session:
+            await session.with_transaction(body)
+
+    async def outside() -> None:
+        for _ in range(8):
+            await twin(other, items).update_one({"_id": "existing"}, {"$inc": {"n": 100}})
+
+    await asyncio.gather(*(increment(i) for i in range(8)), outside())
+    assert await items.find_one({"_id": "existing"}) == {"_id": "existing", "n": 808}
+    assert await items.count_documents({"_id": {"$regex": "^t"}}) == 8
+
+
 async def test_a_document_written_after_the_snapshot_conflicts(
     client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
