@@ -26,6 +26,11 @@ proxy's command executor and fixes what taskrunner depends on:
   replica set, so drivers send retryable writes' ``txnNumber``; a test can step it down.
 * Retryable writes (``taskrunner.dev.retryable``): a write runs once per ``lsid`` +
   ``txnNumber``; a retry gets the first reply.
+* Transactions (``taskrunner.dev.transactions``): mongoeco's snapshots, run as a replica-set
+  primary runs transactions: per-document write conflicts (112, TransientTransactionError),
+  commits beside other writes, events at commit with ``lsid``/``txnNumber``, writes outside
+  waiting for the transaction holding their document, ``transactionLifetimeLimitSeconds``
+  (``setParameter``), MongoDB's codes for what a transaction refuses.
 * The engine (``taskrunner.dev.engine``): the 16 MiB document limit, and inserts that do
   not read every stored document.
 * Test faults (``taskrunner.dev.faults``): the ``taskrunnerFault`` admin command, and
