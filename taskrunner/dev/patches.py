@@ -33,8 +33,9 @@ What is patched (the behaviour is written in the module named):
 * Transactions (``taskrunner.dev.transactions``): the wire session store's sessions
   (``_session_store._sessions``) are committed and aborted through mongoeco's session API;
   the engine's transaction states (``_mvcc_states``: ``pending_changes``, ``has_writes``,
-  ``snapshot_version`` against ``_mvcc_version``) are read to find the documents a
-  statement wrote and whether a commit can install the snapshot as it is; a commit applied
+  ``snapshot_version`` against ``_mvcc_version``, ``touched_namespaces`` and ``indexes``
+  against ``_indexes``) are read to find the documents a statement wrote and whether a
+  commit can install the snapshot as it is; a commit applied
   to newer data gets the transaction's own ``pending_changes`` (its events); and committed
   changes are dispatched to the client's hub (``_validated_engine_spi``, ``_change_hub``)
   at commit, where mongoeco waits for the next write outside a transaction.
@@ -162,6 +163,19 @@ def can_install(engine: Any, sessions: Any, key: str) -> bool:
     since its snapshot (mongoeco installs whole collections), or it wrote nothing."""
     state = _transaction_state(engine, sessions, key)
     return state is None or not state.has_writes or state.snapshot_version == engine._mvcc_version
+
+
+def creates_indexes(engine: Any, sessions: Any, key: str) -> bool:
+    """Whether the session's transaction has indexes the live data lacks (created inside it)."""
+    state = _transaction_state(engine, sessions, key)
+    if state is None:
+        return False
+    for db, coll in state.touched_namespaces:
+        mine = {index.name for index in state.indexes.get(db, {}).get(coll, [])}
+        live = {index.name for index in engine._indexes.get(db, {}).get(coll, [])}
+        if mine - live:
+            return True
+    return False
 
 
 def commit_wire_transaction(sessions: Any, key: str) -> None:

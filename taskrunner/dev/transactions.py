@@ -14,21 +14,25 @@ whatever level the client asks) and runs the rest as MongoDB does:
   committed transaction TransactionCommitted (256).  ``commitTransaction`` sent again for
   a committed transaction (a driver retrying after UnknownTransactionCommitResult) answers
   as the first time, without committing anything again.
-* Write conflicts, per document.  A transaction that writes a document another open
-  transaction has written, or that was written (by anyone) after its snapshot, fails
-  WriteConflict (112, TransientTransactionError) and is aborted, so ``with_transaction``
-  retries it.  Two transactions inserting one ``_id``: the second fails WriteConflict while
-  the first is open or committed after the second's snapshot; its retry, whose snapshot
-  holds the document, fails DuplicateKey (11000).  A unique secondary key is checked at
-  commit: a clash there is a WriteConflict too.
+* Write conflicts, per document and unique key.  A transaction that writes a document
+  another open transaction has written, or that was written (by anyone) after its snapshot,
+  fails WriteConflict (112, TransientTransactionError) and is aborted, so
+  ``with_transaction`` retries it; so does one that writes a value of a unique index
+  (``_id`` or secondary, partial ones aside) another open transaction wrote.  Two
+  transactions inserting one ``_id`` or upserting one unique key: the second fails
+  WriteConflict; its retry, whose snapshot holds the first's committed document, fails
+  DuplicateKey (11000) or updates it.  A unique key committed by a write after the
+  snapshot is found at commit: that commit fails WriteConflict instead.
 * Writes outside transactions.  An ``insert``, ``update``, ``delete`` or ``findAndModify``
-  that targets a document an open transaction has written waits until that transaction
-  commits or aborts, as MongoDB's does ("Production considerations": "the write waits
-  until the transaction ends"), then runs.  The documents a filter targets are found by a
-  query just before the write, and only while some transaction holds a document of that
-  collection, so writes cost nothing extra otherwise.  A write that slips between the
-  query and the write (a transaction writing the same document meanwhile) is not lost: the
-  transaction then fails WriteConflict at commit.
+  that targets a document an open transaction has written, inserts a unique key one holds,
+  or upserts one by its filter, waits until that transaction commits or aborts, as
+  MongoDB's does ("Production considerations": "the write waits until the transaction
+  ends"; past its ``maxTimeMS`` it fails MaxTimeMSExpired), then runs.  What a write
+  targets is found by a query just before it (a single-document write's first match by
+  its sort), and only while some transaction holds something of that collection, so writes
+  cost nothing extra otherwise.  A write that slips past (a transaction writing the same
+  document meanwhile, or an update that sets a unique key a transaction holds) is not
+  lost: the transaction then fails WriteConflict at commit.
 * Commit.  The transaction's writes become visible at once: installed in one step between
   two commands of the event loop.  When other writes happened since the snapshot (to other
   documents), the transaction's final documents are applied to the current data in one
@@ -52,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
+import functools
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -73,7 +78,10 @@ LIFETIME_PARAMETER = "transactionLifetimeLimitSeconds"
 _WRITES = {"insert": "documents", "update": "updates", "delete": "deletes", "findAndModify": None}
 _ENDING = {"commitTransaction", "abortTransaction"}
 
-DocKey = tuple[str, str, str]  # db, collection, repr of the _id
+# What a transaction holds: a document (index "_id_", its _id) or a unique secondary key
+# (the index's name and the key's values): db, collection, index, repr of the value(s).
+DocKey = tuple[str, str, str, str]
+UniqueIndex = tuple[str, list[str], bool]  # name, fields, sparse
 Run = Callable[[], Awaitable[dict[str, Any]]]
 
 
@@ -120,7 +128,41 @@ def _no_such_transaction(number: int, aborted: bool) -> Exception:
 def _doc_key(db: str, coll: str, document_key: Any) -> DocKey | None:
     if not isinstance(document_key, dict) or "_id" not in document_key:
         return None
-    return db, coll, repr(document_key["_id"])
+    return db, coll, "_id_", repr(document_key["_id"])
+
+
+_ABSENT = object()
+
+
+def _path(document: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(document, dict) or part not in document:
+            return _ABSENT
+        document = document[part]
+    return document
+
+
+def _unique_keys(
+    db: str, coll: str, values: Callable[[str], Any], indexes: list[UniqueIndex], *, whole: bool = False
+) -> list[DocKey]:
+    """The unique keys of a document (``values`` reads a field): missing fields index as null,
+    as MongoDB's, except in a sparse index, which skips documents missing them all; ``whole``:
+    only keys whose every field has a value (a filter's, which may not name them all)."""
+    keys = []
+    for name, fields, sparse in indexes:
+        found = [values(f) for f in fields]
+        if whole and any(v is _ABSENT for v in found):
+            continue
+        if sparse and all(v is _ABSENT for v in found):
+            continue
+        keys.append((db, coll, name, repr([None if v is _ABSENT else v for v in found])))
+    return keys
+
+
+def _query_value(query: Any, field: str) -> Any:
+    """The value a filter requires of ``field`` by equality (what an upsert would insert)."""
+    value = query.get(field, _ABSENT) if isinstance(query, dict) else _ABSENT
+    return _ABSENT if _is_operator(value) else value
 
 
 class Transactions:
@@ -199,7 +241,7 @@ class Transactions:
             raise
         if reply.get("writeErrors") or not reply.get("ok", 1):
             self._abort(transaction)  # MongoDB aborts a transaction whose statement failed
-        elif not self._claim(transaction):
+        elif not await self._claim(transaction):
             self._abort(transaction)
             raise write_conflict()
         return reply
@@ -250,26 +292,54 @@ class Transactions:
             raise failure(f"Transaction {number} has been committed.", 256, "TransactionCommitted")
         return transaction
 
-    def _claim(self, transaction: _Transaction) -> bool:
-        """Take the documents the transaction's last statement wrote; False on a conflict."""
+    async def _claim(self, transaction: _Transaction) -> bool:
+        """Take the documents and unique keys the transaction's last statement wrote; False on
+        a conflict with another open transaction or with a write after its snapshot."""
         patches.dispatch_changes(self._client)  # every write committed so far is in the oplog
         changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
         new, transaction.seen_changes = changes[transaction.seen_changes :], len(changes)
         for change in new:
             if not isinstance(change, dict):
                 continue
-            doc = _doc_key(change["db_name"], change["coll_name"], change.get("document_key"))
-            if doc is None or doc in transaction.writes:
+            db, coll = change["db_name"], change["coll_name"]
+            doc = _doc_key(db, coll, change.get("document_key"))
+            if doc is None:
                 continue
-            holder = self._holders.get(doc)
-            if holder is not None and holder is not transaction:
+            if doc not in transaction.writes and self._written.get(doc, -1) >= transaction.snapshot_seq:
                 return False
-            if self._written.get(doc, -1) >= transaction.snapshot_seq:
+            held = [doc]
+            image = change.get("full_document")
+            if image is not None:
+                indexes = await self._unique_indexes(db, coll)
+                held += _unique_keys(db, coll, functools.partial(_path, image), indexes)
+            if not self._hold(transaction, held):
                 return False
-            self._holders[doc] = transaction
-            self._held_namespaces[doc[0], doc[1]] += 1
-            transaction.writes.add(doc)
         return True
+
+    def _hold(self, transaction: _Transaction, keys: list[DocKey]) -> bool:
+        for key in keys:
+            holder = self._holders.get(key)
+            if holder is not None and holder is not transaction and holder.state is _State.OPEN:
+                return False
+        for key in keys:
+            if key not in transaction.writes:
+                self._holders[key] = transaction
+                self._held_namespaces[key[0], key[1]] += 1
+                transaction.writes.add(key)
+        return True
+
+    async def _unique_indexes(self, db: str, coll: str) -> list[UniqueIndex]:
+        """The collection's unique secondary indexes (partial ones left out: the embedded
+        server does not evaluate their filters here)."""
+        try:
+            info = await self._client.get_database(db).get_collection(coll).index_information()
+        except OperationFailure:
+            return []
+        return [
+            (name, [field for field, _ in spec["key"]], bool(spec.get("sparse")))
+            for name, spec in info.items()
+            if name != "_id_" and spec.get("unique") and "partialFilterExpression" not in spec
+        ]
 
     # Commit and abort.
 
@@ -300,7 +370,9 @@ class Transactions:
 
     async def _rebase(self, transaction: _Transaction) -> None:
         """Apply the transaction's final documents to data that changed since its snapshot
-        (other documents only: conflicts were checked), in one mongoeco transaction."""
+        (other documents only: conflicts were checked), in one mongoeco transaction.  Indexes it
+        created cannot be carried over so: such a commit fails WriteConflict (its retry commits
+        when nothing else is written in the meantime)."""
         changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
         final: dict[DocKey, dict[str, Any]] = {}
         for change in changes:
@@ -308,7 +380,9 @@ class Transactions:
                 doc = _doc_key(change["db_name"], change["coll_name"], change.get("document_key"))
                 if doc is not None:
                     final[doc] = change
-        if any(c["operation_type"] != "delete" and c.get("full_document") is None for c in final.values()):
+        if patches.creates_indexes(self._engine, self._sessions, transaction.session) or any(
+            c["operation_type"] != "delete" and c.get("full_document") is None for c in final.values()
+        ):
             self._abort(transaction)
             raise write_conflict()
         session = self._client.start_session()
@@ -416,18 +490,24 @@ class Transactions:
     async def _holder_of_targets(
         self, name: str, db: str, coll: str, body: dict[str, Any]
     ) -> _Transaction | None:
-        for document_key in await self._targets(name, db, coll, body):
-            holder = self._holders.get((db, coll, repr(document_key)))
+        for key in await self._targets(name, db, coll, body):
+            holder = self._holders.get(key)
             if holder is not None and holder.state is _State.OPEN:
                 return holder
         return None
 
-    async def _targets(self, name: str, db: str, coll: str, body: dict[str, Any]) -> list[Any]:
-        """The ``_id`` values the write would touch now: an insert's documents', the first match
-        of a single-document statement (by its sort for findAndModify), every match of a multi
-        one, and the ``_id`` an upsert would insert."""
+    async def _targets(self, name: str, db: str, coll: str, body: dict[str, Any]) -> list[DocKey]:
+        """What the write would touch now: an insert's documents and their unique keys; the first
+        match of a single-document statement (by its sort for findAndModify), every match of a
+        multi one; and the ``_id`` and unique keys an upsert's filter would insert."""
+        indexes = await self._unique_indexes(db, coll)
         if name == "insert":
-            return [d["_id"] for d in body.get("documents") or [] if isinstance(d, dict) and "_id" in d]
+            keys: list[DocKey] = []
+            for document in body.get("documents") or []:
+                if isinstance(document, dict) and "_id" in document:
+                    keys.append((db, coll, "_id_", repr(document["_id"])))
+                    keys += _unique_keys(db, coll, functools.partial(_path, document), indexes)
+            return keys
         if name == "findAndModify":
             found = [(body.get("query") or {}, body.get("sort"), 1, body.get("upsert"))]
         elif name == "update":
@@ -443,13 +523,16 @@ class Transactions:
                 if isinstance(s, dict)
             ]
         collection = self._client.get_database(db).get_collection(coll)
-        ids: list[Any] = []
+        keys = []
         for query, sort, limit, upsert in found:
             cursor = collection.find(copy.deepcopy(query), {"_id": 1}, sort=sort, limit=limit)
-            ids += [d["_id"] for d in await cursor.to_list(None)]
-            if upsert and isinstance(query, dict) and "_id" in query and not _is_operator(query["_id"]):
-                ids.append(query["_id"])
-        return ids
+            keys += [(db, coll, "_id_", repr(d["_id"])) for d in await cursor.to_list(None)]
+            if upsert:
+                if (upserted := _query_value(query, "_id")) is not _ABSENT:
+                    keys.append((db, coll, "_id_", repr(upserted)))
+                value = functools.partial(_query_value, query)
+                keys += _unique_keys(db, coll, value, indexes, whole=True)
+        return keys
 
     def _on_entry(self, entry: Entry) -> None:
         if entry.coll is None or entry.document_key is None:

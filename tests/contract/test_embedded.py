@@ -339,6 +339,8 @@ async def _transaction_internals_broken(client: Any, executor: Any) -> list[str]
     engine = client._engine
     if not isinstance(getattr(engine, "_mvcc_version", None), int):
         broken.append("engine._mvcc_version missing")
+    if not isinstance(getattr(engine, "_indexes", None), dict):
+        broken.append("engine._indexes missing")
     if not callable(getattr(client._validated_engine_spi, "dispatch_committed_changes", None)):
         broken.append("client._validated_engine_spi.dispatch_committed_changes missing")
     if getattr(client, "_change_hub", None) is None:
@@ -355,7 +357,7 @@ async def _transaction_internals_broken(client: Any, executor: Any) -> list[str]
     return broken
 
 
-_MVCC_FIELDS = ("snapshot_version", "pending_changes", "has_writes")
+_MVCC_FIELDS = ("snapshot_version", "pending_changes", "has_writes", "touched_namespaces", "indexes")
 _CHANGE_PAYLOAD = ("operation_type", "db_name", "coll_name", "document_key", "full_document")
 
 

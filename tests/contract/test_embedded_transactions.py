@@ -227,29 +227,33 @@ async def test_same_id_in_two_transactions_conflicts_then_is_a_duplicate_key(
 async def test_same_unique_key_in_two_transactions_commits_one(
     client: AsyncMongoClient[Doc], other: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
-    """Two transactions inserting one value of a unique secondary key: the second fails
-    WriteConflict, transient (MongoDB at its insert; the embedded server at its commit), and
-    its retry DuplicateKey: one document holds the key."""
+    """Two transactions upserting one value of a unique secondary key (taskrunner's idempotent
+    publish): the second fails WriteConflict, transient, while the first is open; an outside
+    upsert of it waits for the first; after the first commits, the second's retry updates the
+    first's document: one document holds the key."""
     await items.create_index("key", unique=True)
+    outside = twin(other, items)
+
+    def publish(by: str) -> dict[str, Any]:
+        return {"$setOnInsert": {"_id": by, "by": by}, "$inc": {"seen": 1}}
+
     async with client.start_session() as first, other.start_session() as second:
         await first.start_transaction()
-        await items.insert_one({"_id": "one", "key": "k"}, session=first)
+        await items.find_one_and_update({"key": "k"}, publish("first"), upsert=True, session=first)
         await second.start_transaction()
-        try:
-            await twin(other, items).insert_one({"_id": "two", "key": "k"}, session=second)
-            await first.commit_transaction()
-            with pytest.raises(OperationFailure) as conflict:
-                await second.commit_transaction()
-        except OperationFailure as error:
-            conflict = pytest.ExceptionInfo.from_exception(error)
-            await second.abort_transaction()
-            await first.commit_transaction()
+        with pytest.raises(OperationFailure) as conflict:
+            await outside.find_one_and_update({"key": "k"}, publish("second"), upsert=True, session=second)
         assert conflict.value.code == 112 and conflict.value.has_error_label(TRANSIENT)
-        await second.start_transaction()
-        with pytest.raises(DuplicateKeyError):
-            await twin(other, items).insert_one({"_id": "two", "key": "k"}, session=second)
         await second.abort_transaction()
-    assert await items.find({"key": "k"}).to_list() == [{"_id": "one", "key": "k"}]
+        with pytest.raises(ExecutionTimeout):
+            await outside.find_one_and_update({"key": "k"}, publish("outside"), upsert=True, maxTimeMS=300)
+        await first.commit_transaction()
+        await second.start_transaction()
+        await outside.find_one_and_update({"key": "k"}, publish("second"), upsert=True, session=second)
+        await second.commit_transaction()
+    assert await items.find({"key": "k"}).to_list() == [
+        {"_id": "first", "key": "k", "by": "first", "seen": 2}
+    ]
 
 
 async def test_a_write_outside_waits_for_the_transaction_holding_its_document(
