@@ -154,9 +154,13 @@ class _BridgeExecutor:
         bridged = self._divert(command, body, db_name or body.get("$db"))
         if bridged is None:
             self.transactions.before_build(body)
-            return self._inner._build_request_context(
-                body, connection=connection, db_name=db_name, on_normalized=on_normalized
-            )
+            try:
+                return self._inner._build_request_context(
+                    body, connection=connection, db_name=db_name, on_normalized=on_normalized
+                )
+            except BaseException:
+                self.transactions.settled(body)
+                raise
         if on_normalized is not None:  # keeps the proxy's diagnostics naming the command
             on_normalized(command, body)
         return bridged
@@ -190,6 +194,13 @@ class _BridgeExecutor:
         return BridgedCommand("killCursors", db, body)
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
+        try:
+            return await self._answer(context)
+        finally:
+            if not isinstance(context, BridgedCommand):
+                self.transactions.settled(context.raw_body)
+
+    async def _answer(self, context: Any) -> dict[str, Any]:
         bridged = isinstance(context, BridgedCommand)
         name, db, body = (
             (context.name, context.db, context.body)

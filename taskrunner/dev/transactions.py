@@ -179,6 +179,7 @@ class Transactions:
         self._holders: dict[DocKey, _Transaction] = {}
         self._held_namespaces: Counter[tuple[str, str]] = Counter()
         self._written: dict[DocKey, int] = {}  # oplog position of each document's last write
+        self._open_count = 0
         self._starting: dict[str, int] = {}  # snapshot positions of transactions being started
         self._reapers: set[asyncio.Task[None]] = set()
         self._gate = asyncio.Lock()  # writes to the live data, and commits that rebase
@@ -200,7 +201,16 @@ class Transactions:
             return  # refused in execute
         if current is not None and current.state is _State.OPEN:
             self._abort(current)
+        else:  # one mongoeco started for a start the bridge refused (a stepdown, a fail point)
+            patches.abort_wire_transaction(self._sessions, key)
+        patches.dispatch_changes(self._client)  # the snapshot holds every write the oplog has
         self._starting[key] = self._oplog.next_seq
+
+    def settled(self, body: dict[str, Any]) -> None:
+        """Called once a command has been answered or refused: a start that did not reach
+        ``execute`` holds back nothing."""
+        if self._starting and body.get("startTransaction") is True and "lsid" in body:
+            self._starting.pop(patches.wire_session_key(body["lsid"]), None)
 
     async def execute(self, name: str, db: str, body: dict[str, Any], run: Run) -> dict[str, Any]:
         """Run command ``name`` (``run`` executes it in mongoeco) as MongoDB would."""
@@ -266,6 +276,7 @@ class Transactions:
         transaction = _Transaction(key, body["lsid"], number, self._starting.pop(key, self._oplog.next_seq))
         self._open.pop(key, None)
         self._open[key] = transaction  # the newest last, so that the oldest are pruned first
+        self._open_count += 1
         self._prune()
         self._schedule_expiry(transaction)
         return transaction
@@ -298,6 +309,7 @@ class Transactions:
         patches.dispatch_changes(self._client)  # every write committed so far is in the oplog
         changes = patches.pending_changes(self._engine, self._sessions, transaction.session)
         new, transaction.seen_changes = changes[transaction.seen_changes :], len(changes)
+        unique: dict[tuple[str, str], list[UniqueIndex]] = {}
         for change in new:
             if not isinstance(change, dict):
                 continue
@@ -310,7 +322,9 @@ class Transactions:
             held = [doc]
             image = change.get("full_document")
             if image is not None:
-                indexes = await self._unique_indexes(db, coll)
+                if (db, coll) not in unique:
+                    unique[db, coll] = await self._unique_indexes(db, coll)
+                indexes = unique[db, coll]
                 held += _unique_keys(db, coll, functools.partial(_path, image), indexes)
             if not self._hold(transaction, held):
                 return False
@@ -416,6 +430,8 @@ class Transactions:
         self._end(transaction, _State.ABORTED)
 
     def _end(self, transaction: _Transaction, state: _State) -> None:
+        if transaction.state is _State.OPEN:
+            self._open_count -= 1
         transaction.state = state
         for doc in transaction.writes:
             if self._holders.get(doc) is transaction:
@@ -543,7 +559,7 @@ class Transactions:
                 self._written[doc] = entry.seq
 
     def _snapshots_open(self) -> bool:
-        return bool(self._starting) or any(t.state is _State.OPEN for t in self._open.values())
+        return bool(self._starting) or self._open_count > 0
 
     def _session_lock(self, key: str) -> asyncio.Lock:
         return self._session_locks.setdefault(key, asyncio.Lock())
