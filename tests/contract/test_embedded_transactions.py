@@ -366,9 +366,9 @@ async def test_a_client_gone_mid_transaction_leaves_nothing(
 async def test_commands_refused_inside_a_transaction(
     client: AsyncMongoClient[Doc], items: AsyncCollection[Doc]
 ) -> None:
-    """Inside a transaction ``count`` fails OperationNotSupportedInTransaction (263) and a
-    statement's own writeConcern fails InvalidOptions (72) without ending the transaction;
-    creating a collection implicitly works."""
+    """Inside a transaction ``count`` fails OperationNotSupportedInTransaction (263), a
+    statement's own writeConcern and a readConcern after the first statement fail InvalidOptions
+    (72) without ending the transaction; creating a collection implicitly works."""
     database = items.database
     async with client.start_session() as session:
         await session.start_transaction()
@@ -383,7 +383,14 @@ async def test_commands_refused_inside_a_transaction(
                     session=session,
                 )
             assert write_concern.value.code == 72
+            await items.insert_one({"_id": "first"}, session=session)
+            with pytest.raises(OperationFailure) as read_concern:
+                await database.command(
+                    {"find": items.name, "readConcern": {"level": "snapshot"}}, session=session
+                )
+            assert read_concern.value.code == 72
         async with await session.start_transaction():
             await database.created_in_transaction.insert_one({"_id": 1}, session=session)
-            assert await items.count_documents({}, session=session) == 1  # an aggregate: allowed
+            assert await items.count_documents({}, session=session) == 2  # an aggregate: allowed
     assert await database.created_in_transaction.find().to_list() == [{"_id": 1}]
+    assert await items.find_one({"_id": "first"}) == {"_id": "first"}
