@@ -182,7 +182,9 @@ class Transactions:
         self._open_count = 0
         self._starting: dict[str, int] = {}  # snapshot positions of transactions being started
         self._reapers: set[asyncio.Task[None]] = set()
-        self._gate = asyncio.Lock()  # writes to the live data, and commits that rebase
+        # Commits, and writes outside transactions while any is open: a commit applied beside
+        # other writes (``_rebase``) awaits, and no write may land in between.
+        self._gate = asyncio.Lock()
         oplog.on_entry = self._on_entry
 
     # Hooks from the bridge.
@@ -500,6 +502,11 @@ class Transactions:
             if holder is None:
                 break
             await _wait(holder.ended, deadline)  # MongoDB: the write waits until the transaction ends
+        if not self._open_count:
+            # No transaction can be committing: writes go ahead without the gate (one that is
+            # still running when a commit must be applied beside it fails that commit's
+            # mongoeco transaction, a WriteConflict the client retries).
+            return await run()
         async with self._gate:
             return await run()
 
