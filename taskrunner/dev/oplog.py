@@ -10,10 +10,10 @@ the same shape, fed from mongoeco's change hub, and serves its streams from it
   write's event; the log takes such events off the hub instead.  Renames and database drops
   mongoeco does not report at all: the bridge records them around their commands
   (``ChangeStreams.apply``).
-* Cluster time.  Each entry gets a BSON Timestamp (seconds, increment), strictly increasing,
-  except that a committed transaction's entries share its commit's (and carry its ``lsid``
-  and ``txnNumber``), and a wall time; replies carry ``operationTime`` and ``$clusterTime`` from the same clock,
-  as a replica-set member's do.
+* Cluster time.  Each entry gets a BSON Timestamp (seconds, increment), strictly increasing
+  (a committed transaction's entries share its commit's, and carry its ``lsid`` and
+  ``txnNumber``), and a wall time; replies carry ``operationTime`` and ``$clusterTime`` from
+  the same clock, as a replica-set member's do.
 * Resume tokens name this server instance, the entry's time and position and the token's
   kind (an event, an invalidate, or a high-water mark), so a token from another server or
   an earlier run is unknown here, as it would be to another replica set.
