@@ -236,3 +236,35 @@ def test_the_sync_facade_refuses_a_session_of_another_client(
             facade.publish("mail", key="x", allow_unknown=True, session=session)
     finally:
         facade.close()
+
+
+async def test_update_pending_and_republish_finished_take_effect_only_on_commit(
+    client: AsyncMongoClient[dict[str, Any]], shared: TaskRunner
+) -> None:
+    """update_pending and republish_finished in a transaction change the stored task if and
+    only if the transaction commits."""
+    await shared.publish("mail", {"v": 1}, key="u", allow_unknown=True)
+    await shared.publish("mail", key="f", allow_unknown=True)
+    await shared.cancel("f")
+    async with client.start_session() as session, await session.start_transaction():
+        updated = await shared.publish(
+            "mail", {"v": 2}, key="u", update_pending=True, allow_unknown=True, session=session
+        )
+        again = await shared.publish(
+            "mail", key="f", republish_finished=True, allow_unknown=True, session=session
+        )
+        assert (updated.params, again.state, again.created) == ({"v": 2}, TaskState.PENDING, True)
+        await session.abort_transaction()
+    assert (await shared.get("u")).params == {"v": 1}
+    assert (await shared.get("f")).state is TaskState.CANCELED
+
+    async def change(session: AsyncClientSession) -> None:
+        await shared.publish(
+            "mail", {"v": 3}, key="u", update_pending=True, allow_unknown=True, session=session
+        )
+        await shared.publish("mail", key="f", republish_finished=True, allow_unknown=True, session=session)
+
+    async with client.start_session() as session:
+        await session.with_transaction(change)
+    assert (await shared.get("u")).params == {"v": 3}
+    assert (await shared.get("f")).state is TaskState.PENDING
