@@ -658,7 +658,7 @@ class TaskClient:
         if self._client is not None:
             raise ConfigurationError(
                 "a runner on the application's AsyncMongoClient (client=) belongs to its event loop;"
-                " in sync code, publish with SyncTaskRunner on a runner given mongo_uri="
+                " in sync code use runner.sync(client=your MongoClient)"
             )
         shared = self._store is not None and not self._store.bound_to_loop
         return self.copy(store=self._store if shared else None)

@@ -268,3 +268,15 @@ async def test_update_pending_and_republish_finished_take_effect_only_on_commit(
         await session.with_transaction(change)
     assert (await shared.get("u")).params == {"v": 3}
     assert (await shared.get("f")).state is TaskState.PENDING
+
+
+def test_a_runner_on_an_async_client_has_no_thread_facade(
+    client: AsyncMongoClient[dict[str, Any]], sync_client: MongoClient[dict[str, Any]]
+) -> None:
+    """The application's async client belongs to its event loop: runner.sync() refuses it,
+    saying what to do, and runner.sync(client=MongoClient) runs on the sync client instead."""
+    runner = TaskRunner(client=client)
+    with pytest.raises(ConfigurationError, match="belongs to its event loop"):
+        runner.sync()
+    facade = runner.sync(client=sync_client)
+    facade.close()
