@@ -63,11 +63,9 @@ class SyncTaskRunner:
             if self._closed:
                 coro.close()  # never started: no "never awaited" warning
                 raise RunnerClosed(operation)
-            if self._client is None:
-                future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        if self._client is not None:
-            return asyncio.run(coro)  # this thread's own loop, for this call
-        return future.result()
+            # On the application's client the call runs here, on this thread's own loop.
+            future = None if self._client is not None else asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run(coro) if future is None else future.result()
 
     def _session(self, session: ClientSession | None) -> ClientSession | None:
         """``session``, checked to belong to the client the facade runs on."""

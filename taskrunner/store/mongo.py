@@ -392,7 +392,7 @@ class MongoStore:
                 raise
 
     async def _publish_single(self, filter_: Doc, update: list[Any], session: Session | None) -> Doc:
-        for _ in range(1 if in_transaction(session) else 3):
+        for _ in range(3):
             try:
                 with mapped_errors():
                     doc = _decoded(
